@@ -1,0 +1,65 @@
+"""Atomic checkpoints: write into a temp dir, rename it to `step_<k>`, then mark it COMPLETE.
+
+A kill at any point leaves the previous complete checkpoint usable: a dir without COMPLETE is never
+loaded (and is cleaned up by the next save). Layout of `<output_dir>/checkpoints/step_<k>/`:
+`learner/` (model + optimizer shards, torch.distributed.checkpoint), `rng_rank<r>.pt`,
+`trainer_state.json` (step, policy version, data position, driver RNG), `COMPLETE`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from typing import Any
+
+MARKER = "COMPLETE"
+
+
+def root(output_dir: str) -> str:
+    return os.path.join(output_dir, "checkpoints")
+
+
+def latest(output_dir: str) -> str | None:
+    """The newest complete checkpoint dir, or None."""
+    base = root(output_dir)
+    if not os.path.isdir(base):
+        return None
+    steps = [(int(m.group(1)), d) for d in os.listdir(base) if (m := re.fullmatch(r"step_(\d+)", d))
+             and os.path.exists(os.path.join(base, d, MARKER))]
+    return os.path.join(base, max(steps)[1]) if steps else None
+
+
+def begin(output_dir: str, step: int) -> str:
+    """A fresh temp dir for step `step` (stale temp dirs from killed saves are removed)."""
+    base = root(output_dir)
+    os.makedirs(base, exist_ok=True)
+    for d in os.listdir(base):
+        if d.startswith(".tmp-"):
+            shutil.rmtree(os.path.join(base, d), ignore_errors=True)
+    tmp = os.path.join(base, f".tmp-step_{step}")
+    os.makedirs(tmp)
+    return tmp
+
+
+def commit(tmp: str, step: int, state: dict[str, Any], keep: int = 2) -> str:
+    """Write the trainer state, rename tmp -> step_<k>, mark it complete, prune old checkpoints."""
+    with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
+        json.dump(state, f)
+    final = os.path.join(os.path.dirname(tmp), f"step_{step}")
+    if os.path.exists(final):  # an incomplete leftover of the same step
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    with open(os.path.join(final, MARKER), "w") as f:
+        f.write(str(step))
+    base = os.path.dirname(final)
+    done = sorted(int(d[5:]) for d in os.listdir(base) if d.startswith("step_") and d[5:].isdigit())
+    for old in done[:-keep] if keep > 0 else []:
+        shutil.rmtree(os.path.join(base, f"step_{old}"), ignore_errors=True)
+    return final
+
+
+def load_state(ckpt: str) -> dict[str, Any]:
+    with open(os.path.join(ckpt, "trainer_state.json")) as f:
+        return json.load(f)

@@ -1,0 +1,37 @@
+"""`rayrl export-hf CKPT -o DIR`: a sharded learner checkpoint -> a Hugging Face folder (verl's model_merger step)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+from rayrl.models import resolve_model
+
+
+def export_hf(ckpt: str, out_dir: str, model: str = "smollm2") -> str:
+    """Merge the model shards of `ckpt` (torch.distributed.checkpoint) into `out_dir`, with the base model's
+    config, tokenizer and chat template. Runs in one process, no GPU needed."""
+    import torch
+    from safetensors.torch import save_file
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from transformers import AutoConfig, AutoTokenizer
+
+    learner_dir = os.path.join(ckpt, "learner")
+    if not os.path.isdir(learner_dir):
+        raise FileNotFoundError(f"{ckpt!r} is not a rayrl checkpoint (no learner/ inside)")
+    base = resolve_model(model)
+    with tempfile.TemporaryDirectory() as tmp:
+        merged = os.path.join(tmp, "merged.pt")
+        dcp_to_torch_save(learner_dir, merged)
+        state = torch.load(merged, weights_only=False)["model"]
+    staging = out_dir + ".tmp"
+    os.makedirs(staging, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(staging, "model.safetensors"),
+              metadata={"format": "pt"})
+    AutoConfig.from_pretrained(base).save_pretrained(staging)
+    AutoTokenizer.from_pretrained(base).save_pretrained(staging)
+    if os.path.exists(out_dir):
+        shutil.rmtree(out_dir)
+    os.rename(staging, out_dir)
+    return out_dir

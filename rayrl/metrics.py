@@ -1,0 +1,78 @@
+"""Step metrics to the console (progress bar + one line per step), metrics.jsonl, tensorboard and wandb."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+CONSOLE_KEYS = [("reward/mean", "reward {:.3f}"), ("reward/std", "±{:.3f}"), ("response/length_mean", "len {:.0f}"),
+                ("rollout/tokens_per_s", "rollout {:.0f} tok/s"), ("time/step_s", "step {:.1f}s"),
+                ("trajectories/failed", "failed {:.0f}"), ("actor/loss", "loss {:+.4f}"),
+                ("actor/grad_norm", "gnorm {:.3f}"), ("sync/seconds", "sync {:.2f}s"), ("policy/version", "v{:.0f}")]
+
+
+class StepLogger:
+    def __init__(self, output_dir: str, loggers: list[str], total_steps: int, start_step: int, run_config: dict,
+                 name: str):
+        from tqdm import tqdm
+
+        os.makedirs(output_dir, exist_ok=True)
+        self.jsonl = open(os.path.join(output_dir, "metrics.jsonl"), "a")
+        self.console = "console" in loggers
+        self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", file=sys.stdout,
+                        disable=not self.console, dynamic_ncols=True)
+        self.tb = self.wandb = None
+        if "tensorboard" in loggers:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise RuntimeError("trainer.logger has 'tensorboard' but the tensorboard package is not installed "
+                                   "(pip install tensorboard)") from None
+            self.tb = SummaryWriter(os.path.join(output_dir, "tensorboard"))
+        if "wandb" in loggers:
+            try:
+                import wandb
+            except ImportError:
+                raise RuntimeError("trainer.logger has 'wandb' but wandb is not installed (pip install wandb)") from None
+            # WANDB_MODE=offline works without an account; the run syncs later with `wandb sync`.
+            self.wandb = wandb.init(project="rayrl", name=name, config=run_config, dir=output_dir,
+                                    mode=os.environ.get("WANDB_MODE", "online" if os.environ.get("WANDB_API_KEY") else "offline"))
+
+    def log(self, step: int, m: dict[str, float]) -> None:
+        self.jsonl.write(json.dumps({"step": step, **m}) + "\n")
+        self.jsonl.flush()
+        if self.tb is not None:
+            for k, v in m.items():
+                self.tb.add_scalar(k, v, step)
+            self.tb.flush()
+        if self.wandb is not None:
+            self.wandb.log(m, step=step)
+        if self.console:
+            parts = [fmt.format(m[k]) for k, fmt in CONSOLE_KEYS if k in m]
+            self.bar.write(f"step {step}: " + "  ".join(parts))
+            self.bar.update(1)
+
+    def info(self, text: str) -> None:
+        if self.console:
+            self.bar.write(text)
+
+    def close(self) -> None:
+        self.bar.close()
+        self.jsonl.close()
+        if self.tb is not None:
+            self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+def summarize(values: list[float]) -> tuple[float, float]:
+    if not values:
+        return 0.0, 0.0
+    mean = sum(values) / len(values)
+    return mean, (sum((v - mean) ** 2 for v in values) / len(values)) ** 0.5
+
+
+def dump(m: dict[str, Any]) -> str:
+    return json.dumps(m, indent=1, default=str)

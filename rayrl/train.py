@@ -1,0 +1,218 @@
+"""rayrl's driver: GRPO where every part is a Ray actor. `python -m rayrl.train [job.yaml] [section.key=value ...]`
+
+One step: put the step's tasks in the TaskQueue (batch_size prompts x rollout.n samples) -> rollout
+workers lease them and run the agent against the engines -> collect whole groups -> GRPO advantages
+(verl) -> learner update (FSDP2) -> push the weights to the engines -> policy version + 1 -> log ->
+checkpoint. How it departs from textbook GRPO:
+- losses are token-mean over the whole mini-batch with DAPO's clip-higher (clip_ratio_low/high);
+- old log-probs are recomputed by the learner, except on-policy (one mini-batch, one epoch,
+  staleness 0) where old = current.detach() exactly;
+- failed trajectories are never trained on and groups with < 2 successes are dropped (rayrl.batching);
+- `algo.max_staleness: k` lets the queue hold up to k steps of tasks ahead of the learner (async RL);
+  0 is synchronous: rollout is idle while the learner trains.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import time
+
+import ray
+
+from rayrl import checkpoint, cluster
+from rayrl.batching import advantages, shard, trainable_groups
+from rayrl.config import Config, ConfigError, check_cluster, load_config
+from rayrl.data import DataIterator, load_rows
+from rayrl.metrics import StepLogger, summarize
+from rayrl.models import resolve_model
+from rayrl.types import Task, Trajectory
+
+
+def train(cfg: Config) -> dict:
+    """Run the job; returns a summary (final step, checkpoint, HF folder, last metrics)."""
+    t = cfg.trainer
+    model_path = resolve_model(cfg.model.path)
+    cluster.connect(cfg)
+    check_cluster(cfg, ray.cluster_resources())
+    d = cfg.data
+    data = DataIterator(load_rows(d.source, d.size, t.seed, d.gym_kwargs, d.system_prompt), t.batch_size, t.seed, d.shuffle)
+    val_rows = load_rows(d.val_source, d.val_size, t.seed + 1, d.gym_kwargs, d.system_prompt) if d.val_source else []
+    actors, log, summary = None, None, {}
+    try:
+        actors = cluster.start(cfg, model_path)
+        step, version = resume(cfg, actors, data)
+        log = StepLogger(t.output_dir, t.logger, t.total_steps, step, cfg.to_dict(), t.experiment_name)
+        feeder = Feeder(cfg, actors.queue, data, start=step)
+        if val_rows and t.val_before_train and step == 0:
+            log.log(0, validate(cfg, actors, model_path, val_rows, version))
+        while step < t.total_steps:
+            t0 = time.perf_counter()
+            feeder.fill(until=min(step + cfg.algo.max_staleness, t.total_steps - 1), version=version)
+            trajs = collect(cfg, actors, model_path, feeder.expected.pop(step), step, feeder.early)
+            t_rollout = time.perf_counter() - t0
+            groups, dropped = trainable_groups(trajs)
+            learn = update(cfg, actors.learners, groups)
+            version, step = version + 1, step + 1
+            sync_s = sync_weights(cfg, actors, version)  # <- the engines serve the new policy from here on
+            m = step_metrics(trajs, groups, dropped, learn, t_rollout, sync_s, version, time.perf_counter() - t0)
+            if val_rows and t.test_freq and step % t.test_freq == 0:
+                m.update(validate(cfg, actors, model_path, val_rows, version))
+            if (t.save_freq and step % t.save_freq == 0) or step == t.total_steps:
+                summary["checkpoint"] = save(cfg, actors, step, version, feeder.state_before(step))
+            log.log(step, m)
+            summary.update(step=step, metrics=m)
+        if t.export_hf:
+            hf_dir = f"{t.output_dir}/hf"
+            ray.get([ln.export_hf.remote(hf_dir) for ln in actors.learners], timeout=cfg.learner.timeout)
+            summary["hf"] = hf_dir
+        log.info(f"done: {summary.get('step', step)} steps. checkpoint: {summary.get('checkpoint', '-')}  "
+                 f"Hugging Face model: {summary.get('hf', '-')}")
+    finally:
+        if log is not None:
+            log.close()
+        cluster.shutdown(actors)
+    return summary
+
+
+class Feeder:
+    """Puts each step's tasks into the queue (ahead of the learner by up to max_staleness steps)."""
+
+    def __init__(self, cfg: Config, queue, data: DataIterator, start: int):
+        self.cfg, self.queue, self.data = cfg, queue, data
+        self.next_step = start
+        self.expected: dict[int, set[str]] = {}  # step -> task ids still to collect
+        self.early: dict[int, dict[str, Trajectory]] = {}  # results of later steps that arrived early
+        self.states: dict[int, dict] = {}  # step -> data position before its batch (for checkpoints)
+
+    def fill(self, until: int, version: int) -> None:
+        while self.next_step <= until:
+            s = self.next_step
+            self.states[s] = self.data.state()
+            tasks = [Task(task_id=f"s{s}/p{i}/{k}", group_id=f"s{s}/p{i}", step=s, messages=row.messages,
+                          ground_truth=row.ground_truth, data_source=row.data_source, extra_info=row.extra_info,
+                          policy_version=version)
+                     for i, row in enumerate(self.data.next_batch()) for k in range(self.cfg.rollout.n)]
+            ray.get(self.queue.put.remote(tasks), timeout=60)
+            self.expected[s] = {t.task_id for t in tasks}
+            self.next_step += 1
+
+    def state_before(self, step: int) -> dict:
+        """The data position a run resumed at `step` must start from."""
+        return self.states.get(step) or self.data.state()
+
+
+def collect(cfg: Config, actors, model_path: str, expected: set[str], step: int,
+            early: dict[int, dict[str, Trajectory]]) -> list[Trajectory]:
+    """Wait for every trajectory of `step` (failed ones included); replace rollout workers that die."""
+    got = early.pop(step, {})
+    deadline = time.monotonic() + cfg.trainer.collect_timeout
+    while len(got) < len(expected):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"step {step}: {len(got)} of {len(expected)} trajectories after "
+                               f"trainer.collect_timeout={cfg.trainer.collect_timeout}s")
+        for tr in ray.get(actors.queue.get_results.remote(len(expected), 2.0, len(expected) - len(got)), timeout=60):
+            # keyed by task id: a trajectory can never count twice
+            (got if tr.step == step else early.setdefault(tr.step, {}))[tr.task_id] = tr
+        for wid in cluster.restart_dead_workers(actors, cfg, model_path):
+            print(f"rayrl: rollout worker {wid} died; its leases were re-queued and it was replaced", file=sys.stderr)
+    return list(got.values())
+
+
+def update(cfg: Config, learners: list, groups: list[list[Trajectory]]) -> dict[str, float]:
+    """Advantages, then ppo_epochs x mini-batches optimizer steps on every learner rank."""
+    if not groups:
+        return {}
+    mini = cfg.learner.mini_batch_size or cfg.trainer.batch_size
+    minibatches = [groups[i : i + mini] for i in range(0, len(groups), mini)]
+    shards = [shard(mb, advantages(mb, cfg.algo.norm_adv_by_std_in_grpo), len(learners)) for mb in minibatches]
+    timeout = cfg.learner.timeout
+    on_policy = len(minibatches) == 1 and cfg.learner.ppo_epochs == 1 and cfg.algo.max_staleness == 0
+    olds = None if on_policy else [ray.get([ln.compute_logprobs.remote(s) for ln, s in zip(learners, sh)], timeout=timeout)
+                                   for sh in shards]
+    stats = []
+    for _ in range(cfg.learner.ppo_epochs):
+        for j, sh in enumerate(shards):
+            stats.append(ray.get([ln.train_step.remote(s, None if olds is None else olds[j][r])
+                                  for r, (ln, s) in enumerate(zip(learners, sh))], timeout=timeout))
+    last = stats[-1]
+    return {"actor/loss": sum(s.loss for s in last), "actor/pg_clipfrac": sum(s.pg_clipfrac for s in last),
+            "actor/ppo_kl": sum(s.ppo_kl for s in last), "actor/grad_norm": last[0].grad_norm,
+            "actor/updates": len(stats), "time/learner_s": sum(max(s.seconds for s in st) for st in stats)}
+
+
+def sync_weights(cfg: Config, actors, version: int) -> float:
+    """Learner rank 0's full state dict -> object store -> every engine. Returns the slowest engine's seconds."""
+    t0 = time.perf_counter()
+    refs = [ln.weights.remote(version) for ln in actors.learners]  # a collective: every rank takes part
+    ray.get(refs[1:], timeout=cfg.engine.sync_timeout)
+    ray.get([e.update_weights.remote(refs[0]) for e in actors.engines], timeout=cfg.engine.sync_timeout)
+    return time.perf_counter() - t0
+
+
+def resume(cfg: Config, actors, data: DataIterator) -> tuple[int, int]:
+    """(step, policy version) to start from: 0 for a new run, or the checkpoint's, weights pushed to the engines."""
+    t = cfg.trainer
+    ckpt = None if t.resume == "disable" else (checkpoint.latest(t.output_dir) if t.resume == "auto" else t.resume)
+    if ckpt is None:
+        return 0, 0
+    state = checkpoint.load_state(ckpt)
+    ray.get([ln.load.remote(ckpt) for ln in actors.learners], timeout=cfg.learner.timeout)
+    data.load_state(state["data"])
+    random.setstate(tuple(tuple(x) if isinstance(x, list) else x for x in state["python_rng"]))
+    sync_weights(cfg, actors, state["policy_version"])
+    print(f"rayrl: resumed from {ckpt} (step {state['step']}, policy version {state['policy_version']})", file=sys.stderr)
+    return state["step"], state["policy_version"]
+
+
+def save(cfg: Config, actors, step: int, version: int, data_state: dict) -> str:
+    tmp = checkpoint.begin(cfg.trainer.output_dir, step)
+    ray.get([ln.save.remote(tmp) for ln in actors.learners], timeout=cfg.learner.timeout)
+    return checkpoint.commit(tmp, step, {"step": step, "policy_version": version, "data": data_state,
+                                         "python_rng": random.getstate()})
+
+
+def validate(cfg: Config, actors, model_path: str, rows: list, version: int) -> dict[str, float]:
+    """Mean reward of one sample per validation prompt with the current policy (failures count as 0)."""
+    vstep = -1 - version  # negative steps never collide with training steps in the queue
+    tasks = [Task(task_id=f"val{version}/p{i}/0", group_id=f"val{version}/p{i}", step=vstep, messages=r.messages,
+                  ground_truth=r.ground_truth, data_source=r.data_source, extra_info=r.extra_info, policy_version=version)
+             for i, r in enumerate(rows)]
+    ray.get(actors.queue.put.remote(tasks), timeout=60)
+    trajs = collect(cfg, actors, model_path, {t.task_id for t in tasks}, vstep, {})
+    return {"val/reward_mean": sum(t.reward or 0.0 for t in trajs if t.ok) / len(trajs),
+            "val/failed": sum(not t.ok for t in trajs)}
+
+
+def step_metrics(trajs: list[Trajectory], groups, dropped: int, learn: dict, t_rollout: float, sync_s: float,
+                 version: int, step_s: float) -> dict[str, float]:
+    ok = [t for t in trajs if t.ok]
+    rmean, rstd = summarize([t.reward for t in ok])
+    lmean, _ = summarize([sum(t.loss_mask) for t in ok])
+    gen_tokens = sum(sum(t.loss_mask) for t in trajs)
+    return {"reward/mean": rmean, "reward/std": rstd, "response/length_mean": lmean,
+            "rollout/tokens_per_s": gen_tokens / max(t_rollout, 1e-9), "time/rollout_s": t_rollout,
+            "time/step_s": step_s, "sync/seconds": sync_s, "policy/version": version,
+            "trajectories/total": len(trajs), "trajectories/failed": len(trajs) - len(ok),
+            "groups/trained": len(groups), "groups/dropped": dropped,
+            "policy/staleness_max": max((version - 1 - t.policy_version for t in trajs), default=0), **learn}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    path = argv.pop(0) if argv and "=" not in argv[0] else None
+    try:
+        cfg = load_config(path, argv)
+    except ConfigError as e:
+        print(f"rayrl: config error: {e}", file=sys.stderr)
+        return 2
+    try:
+        train(cfg)
+    except ConfigError as e:  # cluster-dependent checks (GPUs) fail after connecting
+        print(f"rayrl: config error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

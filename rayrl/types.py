@@ -1,0 +1,100 @@
+"""Typed records that travel between actors (no string-keyed dicts)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Task:
+    """One agent episode to run: a prompt and everything needed to score it.
+
+    A prompt with `rollout.n` samples yields n Tasks sharing `group_id` (the GRPO group).
+    """
+
+    task_id: str  # unique in the run: f"{group_id}/{sample}"
+    group_id: str  # f"s{step}/p{index}": one prompt of one step
+    step: int  # the training step this task belongs to
+    messages: list[dict[str, Any]]  # OpenAI chat messages
+    ground_truth: Any
+    data_source: str
+    extra_info: dict[str, Any] = field(default_factory=dict)
+    policy_version: int = 0  # the policy version at dispatch
+
+
+@dataclass
+class Trajectory:
+    """What one episode produced, exactly as the engine produced it.
+
+    `response_ids` holds every token after the prompt: model tokens (loss_mask 1) and
+    tool/env tokens inserted between turns (loss_mask 0). `logprobs` are the engine's
+    logprobs of the sampled tokens (0.0 where loss_mask is 0).
+    """
+
+    task_id: str
+    group_id: str
+    step: int
+    data_source: str
+    prompt_ids: list[int] = field(default_factory=list)
+    response_ids: list[int] = field(default_factory=list)
+    loss_mask: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    reward: float | None = None
+    answer: Any = None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    policy_version: int = 0  # version of the weights that generated the first token
+    finish_reason: str = ""
+    num_turns: int = 0
+    timings: dict[str, float] = field(default_factory=dict)
+    error: str | None = None  # set when the agent or the reward failed; the trajectory is then not trained on
+    worker: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.reward is not None and len(self.response_ids) > 0
+
+    @classmethod
+    def failed(cls, task: Task, error: str, **kw: Any) -> Trajectory:
+        return cls(task_id=task.task_id, group_id=task.group_id, step=task.step,
+                   data_source=task.data_source, policy_version=task.policy_version, error=error, **kw)
+
+
+@dataclass
+class Generation:
+    """One engine call's result."""
+
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    policy_version: int
+
+
+@dataclass
+class StepStats:
+    """One learner update, as reported back to the driver."""
+
+    loss: float
+    pg_clipfrac: float
+    ppo_kl: float
+    grad_norm: float
+    entropy: float
+    num_tokens: int
+    seconds: float
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class TrainBatch:
+    """One learner rank's share of a mini-batch: unpadded sequences and their per-token training data."""
+
+    prompt_ids: list[list[int]]
+    response_ids: list[list[int]]
+    loss_mask: list[list[int]]  # per response token: 1 = model token (trained), 0 = tool/env token or failure
+    advantages: list[list[float]]  # per response token
+    global_tokens: int  # response tokens (mask 1) in the whole mini-batch over all ranks: token-mean divides by this
+    global_seqs: int  # sequences in the whole mini-batch over all ranks
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids)

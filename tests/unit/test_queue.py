@@ -1,0 +1,182 @@
+"""LeaseQueue logic, without Ray: leases, expiry, dead workers, duplicates, result order."""
+
+from __future__ import annotations
+
+import pytest
+
+from rayrl.actors.queue import LeaseQueue
+from rayrl.types import Task, Trajectory
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def task(i: int) -> Task:
+    return Task(task_id=f"s0/p{i}/0", group_id=f"s0/p{i}", step=0,
+                messages=[{"role": "user", "content": f"q{i}"}], ground_truth=i, data_source="t")
+
+
+def result(t: Task, worker: str = "") -> Trajectory:
+    return Trajectory(task_id=t.task_id, group_id=t.group_id, step=t.step, data_source=t.data_source,
+                      reward=1.0, worker=worker)
+
+
+@pytest.fixture
+def clock() -> FakeClock:
+    return FakeClock()
+
+
+@pytest.fixture
+def q(clock: FakeClock) -> LeaseQueue:
+    return LeaseQueue(lease_timeout=10.0, clock=clock)
+
+
+def test_lease_ack_roundtrip(q: LeaseQueue) -> None:
+    tasks = [task(i) for i in range(3)]
+    assert q.put(tasks) == 3
+    got = q.lease("w1")
+    assert len(got) == 1
+    lease_id, t = got[0]
+    assert t.task_id == tasks[0].task_id and lease_id.startswith("w1#")
+    assert q.stats()["leased"] == 1 and q.stats()["pending"] == 2
+    assert q.ack("w1", [result(t, "w1")]) == 1
+    assert [r.task_id for r in q.take_results(10)] == [tasks[0].task_id]
+    s = q.stats()
+    assert (s["pending"], s["leased"], s["done"], s["completed_total"]) == (2, 0, 0, 1)
+
+
+def test_batch_lease_is_fifo_and_bounded(q: LeaseQueue) -> None:
+    tasks = [task(i) for i in range(5)]
+    q.put(tasks)
+    a = q.lease("w1", max_items=3)
+    b = q.lease("w2", max_items=3)
+    assert [t.task_id for _, t in a] == [t.task_id for t in tasks[:3]]
+    assert [t.task_id for _, t in b] == [t.task_id for t in tasks[3:]]
+    assert q.lease("w3", max_items=3) == []
+    assert len({lid for lid, _ in a + b}) == 5
+    with pytest.raises(ValueError, match="max_items"):
+        q.lease("w1", max_items=0)
+
+
+def test_expired_lease_is_requeued_at_front(q: LeaseQueue, clock: FakeClock) -> None:
+    tasks = [task(i) for i in range(3)]
+    q.put(tasks)
+    (_, t0), = q.lease("w1")
+    clock.now += 9.9
+    assert q.expire() == 0
+    clock.now += 0.2
+    s = q.stats()  # stats() expires lazily too
+    assert (s["pending"], s["leased"], s["requeued_total"]) == (3, 0, 1)
+    (_, again), = q.lease("w2")
+    assert again.task_id == t0.task_id  # the re-queued task goes first
+
+
+def test_release_worker_requeues_its_leases_in_order(q: LeaseQueue) -> None:
+    tasks = [task(i) for i in range(5)]
+    q.put(tasks)
+    dead = q.lease("dead", max_items=2)
+    alive = q.lease("alive", max_items=1)
+    assert q.release_worker("dead") == 2
+    assert q.release_worker("dead") == 0
+    assert q.release_worker("never-seen") == 0
+    s = q.stats()
+    assert (s["pending"], s["leased"], s["requeued_total"]) == (4, 1, 2)
+    got = q.lease("w2", max_items=10)
+    assert [t.task_id for _, t in got] == [t.task_id for _, t in dead] + [t.task_id for t in tasks[3:]]
+    # The live worker's lease is untouched.
+    assert q.ack("alive", [result(alive[0][1])]) == 1
+
+
+def test_task_finished_twice_after_expiry_is_counted_once(q: LeaseQueue, clock: FakeClock) -> None:
+    t = task(0)
+    q.put([t])
+    q.lease("slow")
+    clock.now += 11
+    (_, t2), = q.lease("fast")  # expired and re-leased
+    assert t2.task_id == t.task_id
+    assert q.ack("fast", [result(t, "fast")]) == 1
+    assert q.ack("slow", [result(t, "slow")]) == 0  # the late finisher is a duplicate
+    res = q.take_results(10)
+    assert [r.worker for r in res] == ["fast"]
+    s = q.stats()
+    assert (s["completed_total"], s["duplicates_total"], s["leased"], s["pending"]) == (1, 1, 0, 0)
+
+
+def test_late_ack_first_wins_and_cancels_the_new_lease(q: LeaseQueue, clock: FakeClock) -> None:
+    t = task(0)
+    q.put([t])
+    q.lease("slow")
+    clock.now += 11
+    q.lease("fast")
+    assert q.ack("slow", [result(t, "slow")]) == 1  # the expired holder finishes first: accepted
+    assert q.stats()["leased"] == 0
+    assert q.ack("fast", [result(t, "fast")]) == 0
+    assert [r.worker for r in q.take_results(10)] == ["slow"]
+
+
+def test_ack_of_expired_lease_still_pending_removes_the_pending_copy(q: LeaseQueue, clock: FakeClock) -> None:
+    t = task(0)
+    q.put([t, task(1)])
+    q.lease("slow")
+    clock.now += 11
+    assert q.expire() == 1
+    assert q.ack("slow", [result(t, "slow")]) == 1
+    s = q.stats()
+    assert (s["pending"], s["done"]) == (1, 1)
+    (_, nxt), = q.lease("w2")
+    assert nxt.task_id == task(1).task_id  # the finished task is not handed out again
+
+
+def test_duplicate_puts_are_ignored_and_counted(q: LeaseQueue) -> None:
+    a, b = task(0), task(1)
+    assert q.put([a, a, b]) == 2  # pending duplicate, in the same batch
+    q.lease("w1")  # a is leased now
+    assert q.put([a]) == 0  # leased duplicate
+    q.ack("w1", [result(a)])
+    assert q.put([a]) == 0  # completed duplicate
+    assert q.stats()["duplicates_total"] == 3
+    assert q.stats()["pending"] == 1
+
+
+def test_results_are_fifo_and_take_is_bounded(q: LeaseQueue) -> None:
+    tasks = [task(i) for i in range(6)]
+    q.put(tasks)
+    leased = q.lease("w1", max_items=6)
+    order = [3, 0, 5, 1, 4, 2]
+    for i in order:
+        q.ack("w1", [result(leased[i][1])])
+    first = q.take_results(4)
+    rest = q.take_results(4)
+    assert [r.task_id for r in first + rest] == [tasks[i].task_id for i in order]
+    assert len(first) == 4 and len(rest) == 2 and q.take_results(4) == []
+
+
+def test_unknown_result_is_rejected(q: LeaseQueue) -> None:
+    assert q.ack("w1", [result(task(7))]) == 0
+    s = q.stats()
+    assert (s["rejected_total"], s["done"], s["completed_total"]) == (1, 0, 0)
+
+
+def test_clear_pending_keeps_leases(q: LeaseQueue) -> None:
+    tasks = [task(i) for i in range(4)]
+    q.put(tasks)
+    (_, t), = q.lease("w1")
+    assert q.clear_pending() == 3
+    assert q.lease("w2") == []
+    assert q.ack("w1", [result(t)]) == 1  # the in-flight task still completes
+    assert q.put(tasks[1:2]) == 1  # a dropped task may be put again
+
+
+def test_stats_keys(q: LeaseQueue) -> None:
+    assert set(q.stats()) >= {"pending", "leased", "done", "completed_total", "requeued_total", "duplicates_total"}
+    assert all(isinstance(v, int) for v in q.stats().values())
+
+
+def test_bad_lease_timeout() -> None:
+    with pytest.raises(ValueError, match="lease_timeout must be > 0, got 0"):
+        LeaseQueue(lease_timeout=0)
