@@ -121,18 +121,21 @@ def _plain(value: Any) -> Any:
 def _verl_row(raw: Any, name: str, n: int, system_prompt: str | None) -> Row:
     where = f"{name} row {n}"
     if not isinstance(raw, dict):
-        raise ValueError(f"{where}: must be an object with prompt, reward_model and data_source, got {type(raw).__name__}")
+        raise ValueError(f"{where}: must be an object with prompt, reward_model and data_source, "
+                         f"got {type(raw).__name__}")
     raw = _plain(raw)
     prompt = raw.get("prompt")
     if not isinstance(prompt, list) or not prompt:
         raise ValueError(f"{where}: prompt must be a non-empty list of {{role, content}} messages")
     messages = []
     for k, m in enumerate(prompt):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), (str, list)):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), (str, list))):
             raise ValueError(f"{where}: prompt must be a non-empty list of {{role, content}} messages "
                              f"(message {k} is {_short(m)})")
         if m["role"] not in _ROLES:
-            raise ValueError(f"{where}: prompt message {k} has role {m['role']!r} (expected one of {', '.join(_ROLES)})")
+            raise ValueError(f"{where}: prompt message {k} has role {m['role']!r} "
+                             f"(expected one of {', '.join(_ROLES)})")
         # Parquet structs carry every key of every row; drop the ones this message does not set.
         messages.append({key: v for key, v in m.items() if v is not None})
     reward_model = raw.get("reward_model")

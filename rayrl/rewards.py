@@ -193,7 +193,8 @@ def resolve_scorer(spec: str) -> Scorer:
 
 # --- pool-worker entry points ------------------------------------------------------------------
 
-def score_with_spec(spec: str, data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None) -> float:
+def score_with_spec(spec: str, data_source: str, solution_str: str, ground_truth: Any,
+                    extra_info: dict | None) -> float:
     """Resolve `spec` (cached) and score: what the RewardActor runs in its worker processes."""
     return as_score(_resolved(spec)(data_source, solution_str, ground_truth, extra_info))
 

@@ -94,6 +94,7 @@ class _VLLM:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.kv_cache_gb))
             os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")  # use every core; the default holds one back
         os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # per-request INFO lines drown the step log
         from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 

@@ -61,10 +61,6 @@ def _pool_timeout(fut: Any) -> bool:
     return isinstance(e, TimeoutError) and e.args[:1] == ("Task timeout",)
 
 
-def _noop() -> None:
-    """Scheduled once per worker at start-up so the pool spawns (and warms) its workers early."""
-
-
 class RewardScorer:
     """Scores RewardRequests with `reward.fn` = `spec`, `num_procs` processes, `timeout` s per score."""
 
@@ -88,8 +84,10 @@ class RewardScorer:
         # spawn, not fork: the parent is a Ray worker with gRPC threads, which fork would copy mid-flight.
         pool = pebble.ProcessPool(max_workers=self.num_procs, initializer=rewards.warm, initargs=(self.spec,),
                                   context=multiprocessing.get_context("spawn"))
+        # Start the workers now rather than on the first score. The task is a function of rayrl.rewards,
+        # not of this module, so pool workers never import ray.
         for _ in range(self.num_procs):
-            pool.schedule(_noop)
+            pool.schedule(rewards.warm, args=(self.spec,))
         return pool
 
     def _submit(self, req: RewardRequest) -> Any:

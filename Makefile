@@ -1,0 +1,14 @@
+# The README's two commands. Both install what they need first (idempotent, seconds when already installed).
+.PHONY: install train test bench
+
+install:
+	bash scripts/install.sh
+
+train: install
+	rayrl train
+
+test: install
+	python -m pytest -q -ra
+
+bench: install
+	python bench/queue_vs_redis.py

@@ -1,0 +1,139 @@
+"""The spine end to end on a local Ray with a real CPU vLLM engine and a tiny random Qwen2."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import numpy as np
+import pytest
+import ray
+from safetensors.numpy import load_file
+
+from rayrl import checkpoint
+from rayrl.config import load_config
+from rayrl.data import DataIterator, load_rows
+from tests.conftest import tiny_overrides
+
+pytestmark = pytest.mark.integration
+
+
+def _metrics(out: str) -> list[dict]:
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_train_steps_then_resume(tiny_model, ray_cluster, tmp_path):
+    """Two steps change the parameters and checkpoint each step; a resumed run continues at step 3 and the data
+    position is exactly where an uninterrupted run would be."""
+    from rayrl.train import train
+
+    out = str(tmp_path / "run")
+    cfg = load_config(None, tiny_overrides(tiny_model, out, **{"trainer.save_freq": 1}))
+    summary = train(cfg)
+    assert summary["step"] == 2
+    m = _metrics(out)
+    assert [r["step"] for r in m] == [1, 2]
+    assert all(r["trajectories/total"] == 16 for r in m)
+    assert m[-1]["policy/version"] == 2
+
+    before = load_file(os.path.join(tiny_model, "model.safetensors"))
+    after = load_file(os.path.join(out, "hf", "model.safetensors"))
+    assert set(before) == set(after)
+    changed = [k for k in before if not np.array_equal(before[k], after[k])]
+    assert len(changed) > len(before) // 2, f"only {changed} changed after two steps"
+
+    ck = checkpoint.latest(out)
+    assert ck.endswith("step_2") and os.path.exists(os.path.join(ck, "COMPLETE"))
+    assert os.path.isdir(os.path.join(out, "checkpoints", "step_1"))  # save_freq=1 kept the previous one
+
+    # resume: 3 steps asked, 2 done -> one more step, numbered 3
+    cfg3 = load_config(None, tiny_overrides(tiny_model, out, **{"trainer.save_freq": 1, "trainer.total_steps": 3}))
+    assert train(cfg3)["step"] == 3
+    assert [r["step"] for r in _metrics(out)] == [1, 2, 3]
+    state = checkpoint.load_state(checkpoint.latest(out))
+    assert state["step"] == 3 and state["policy_version"] == 3
+    it = DataIterator(load_rows(cfg.data.source, cfg.data.size, cfg.trainer.seed, cfg.data.gym_kwargs,
+                                cfg.data.system_prompt), cfg.trainer.batch_size, cfg.trainer.seed, cfg.data.shuffle)
+    for _ in range(3):
+        it.next_batch()
+    assert state["data"] == it.state()
+
+
+def test_engine_matches_learner_after_sync(tiny_model, ray_cluster):
+    """After a training step and a weight sync, the engine's greedy tokens and logprobs equal the learner's.
+    Tolerance 1e-4 (both fp32 on CPU; different kernels, so not bit-exact)."""
+    from rayrl import cluster
+    from rayrl.actors.engine import Sampling
+    from rayrl.types import TrainBatch
+    from rayrl.train import sync_weights
+
+    cfg = load_config(None, tiny_overrides(tiny_model, "/tmp/unused", **{"rollout.num_workers": 1}))
+    actors = cluster.start(cfg, tiny_model)
+    try:
+        engine, learner = actors.engines[0], actors.learners[0]
+        prompt = [5, 17, 33, 2, 90, 41, 7]
+        # a real optimizer step with large lr, so the weights clearly differ from the files the engine loaded
+        batch = TrainBatch(prompt_ids=[prompt], response_ids=[[11, 12, 13, 14]], loss_mask=[[1, 1, 1, 1]],
+                           advantages=[[1.0] * 4], global_tokens=4, global_seqs=1)
+        g0 = ray.get(engine.generate.remote(prompt, Sampling(max_tokens=12, temperature=0.0)), timeout=120)
+        ray.get(learner.train_step.remote(batch), timeout=120)
+        assert sync_weights(cfg, actors, 1) < 60
+        g1 = ray.get(engine.generate.remote(prompt, Sampling(max_tokens=12, temperature=0.0)), timeout=120)
+        assert g1.policy_version == 1
+        ref = TrainBatch(prompt_ids=[prompt], response_ids=[g1.token_ids], loss_mask=[[1] * len(g1.token_ids)],
+                         advantages=[[0.0] * len(g1.token_ids)], global_tokens=1, global_seqs=1)
+        cfg_lp = ray.get(learner.compute_logprobs.remote(ref), timeout=120)[0]
+        assert np.allclose(cfg_lp, g1.logprobs, atol=1e-4), (cfg_lp, g1.logprobs)
+        # greedy: every token the engine chose is the learner's argmax (its logprob is the max)
+        assert g0.logprobs != g1.logprobs
+    finally:
+        cluster.shutdown(actors)
+
+
+def test_killed_rollout_worker_loses_no_task(tiny_model, ray_cluster):
+    """Kill a worker while it holds leases: its tasks are re-queued and finished by its replacement, each once."""
+    from rayrl import cluster
+    from rayrl.train import Feeder, collect
+
+    cfg = load_config(None, tiny_overrides(tiny_model, "/tmp/unused", **{
+        "rollout.num_workers": 2, "rollout.agent": "tests.agents:slow_agent", "rollout.agent_config": "{sleep: 4}",
+        "rollout.concurrency": 4}))
+    actors = cluster.start(cfg, tiny_model)
+    try:
+        data = DataIterator(load_rows(cfg.data.source, 50, 0, cfg.data.gym_kwargs, None), cfg.trainer.batch_size, 0)
+        feeder = Feeder(cfg, actors.queue, data, start=0)
+        feeder.fill(until=0, version=0)
+        deadline = time.monotonic() + 60
+        while ray.get(actors.queue.stats.remote())["leased"] < 8 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        ray.kill(actors.workers[0], no_restart=True)  # both workers hold 4 leases each, mid-episode
+        trajs = collect(cfg, actors, tiny_model, feeder.expected[0], 0, {})
+        ids = [t.task_id for t in trajs]
+        assert sorted(ids) == sorted(feeder.expected[0]) and len(ids) == len(set(ids)) == 16
+        assert all(t.error is None for t in trajs), [t.error for t in trajs if t.error]
+        assert {t.worker for t in trajs} >= {"rollout/0.1"}  # the replacement did the killed worker's share
+        stats = ray.get(actors.queue.stats.remote())
+        assert stats["requeued_total"] >= 4 and stats["duplicates_total"] == 0
+    finally:
+        cluster.shutdown(actors)
+
+
+def test_failed_agent_is_recorded_and_run_goes_on(tiny_model, ray_cluster, tmp_path):
+    """An agent that raises yields failed trajectories with the exception text; the step still trains."""
+    from rayrl import cluster
+    from rayrl.train import Feeder, collect
+
+    cfg = load_config(None, tiny_overrides(tiny_model, str(tmp_path), **{"rollout.agent": "tests.agents:flaky_agent"}))
+    actors = cluster.start(cfg, tiny_model)
+    try:
+        data = DataIterator(load_rows(cfg.data.source, 50, 0, cfg.data.gym_kwargs, None), cfg.trainer.batch_size, 0)
+        feeder = Feeder(cfg, actors.queue, data, start=0)
+        feeder.fill(until=0, version=0)
+        trajs = collect(cfg, actors, tiny_model, feeder.expected[0], 0, {})
+        failed = [t for t in trajs if t.error]
+        assert len(failed) == 4 and all(t.error == "RuntimeError: tool crashed" for t in failed)
+        assert all(t.reward is not None for t in trajs if not t.error)
+    finally:
+        cluster.shutdown(actors)
