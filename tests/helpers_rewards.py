@@ -34,3 +34,8 @@ def not_a_number(data_source: str, solution_str: str, ground_truth: Any, extra_i
 def crash(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict) -> float:
     """Kills its own process, as a segfaulting native library would."""
     os._exit(3)
+
+
+def digit_count(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict) -> float:
+    """A reward a random tiny model's samples differ on (digits in the reply, mod 3): GRPO groups get signal."""
+    return float(sum(ch.isdigit() for ch in solution_str) % 3)

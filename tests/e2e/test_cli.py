@@ -1,0 +1,46 @@
+"""The CLI as a user runs it: config errors exit 2 before anything starts; the default job's code path runs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import ROOT, tiny_overrides
+
+BAD = [
+    (["trainer.batch_size=6", "learner.mini_batch_size=4"], "trainer.batch_size (6) must be divisible by learner.mini_batch_size (4)"),
+    (["rollout.agent=nowhere.mod:agent"], "rollout.agent='nowhere.mod:agent'"),
+    (["data.source=/no/such/file.parquet"], "data.source: file '/no/such/file.parquet' does not exist"),
+    (["trainer.sizee=3"], "unknown config key trainer.sizee"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", BAD)
+def test_config_error_exits_2_with_one_line(overrides, message):
+    p = subprocess.run([sys.executable, "-m", "rayrl.train", *overrides], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("rayrl: config error:") and message in lines[0], p.stderr
+
+
+@pytest.mark.e2e
+def test_default_job_code_path(tiny_model, tmp_path):
+    """`rayrl train jobs/quickstart.yaml` with only the model swapped for the tiny one and the sizes cut down:
+    own Ray cluster, CPU vLLM engine, learner, checkpoint, HF export, step lines on the console."""
+    out = tmp_path / "quick"
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    args = tiny_overrides(tiny_model, str(out), **{"trainer.total_steps": 1})
+    p = subprocess.run(["rayrl", "train", os.path.join(ROOT, "jobs/quickstart.yaml"), *args], capture_output=True,
+                       text=True, timeout=600, env=env, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    text = p.stdout + p.stderr
+    assert "step 1: reward" in text and "rollout" in text and "tok/s" in text
+    assert f"checkpoint: {out}/checkpoints/step_1" in text and f"Hugging Face model: {out}/hf" in text
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(out / "hf")
+    tok = AutoTokenizer.from_pretrained(out / "hf")
+    assert model.config.tie_word_embeddings is False and tok.chat_template
