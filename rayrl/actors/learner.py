@@ -68,6 +68,14 @@ class Learner:
             fully_shard(layer, mp_policy=mp)
         fully_shard(model, mp_policy=mp)
         self.model = model
+        self.ref = None
+        if self.cfg.algo.use_kl_loss:  # a frozen copy of the initial policy, sharded the same way
+            ref = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32).to(self.device).eval()
+            ref.requires_grad_(False)
+            for layer in ref.model.layers:
+                fully_shard(layer, mp_policy=mp)
+            fully_shard(ref, mp_policy=mp)
+            self.ref = ref
         lc = self.cfg.learner
         self.optim = torch.optim.AdamW(model.parameters(), lr=lc.lr, betas=tuple(lc.betas), weight_decay=lc.weight_decay,
                                        fused=self.use_cuda)
@@ -80,7 +88,7 @@ class Learner:
         for i in range(0, len(batch), mb):
             yield i, min(i + mb, len(batch))
 
-    def _logprobs(self, batch: TrainBatch, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _logprobs(self, batch: TrainBatch, lo: int, hi: int, model=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Log-probs of the response tokens of sequences [lo, hi), right-padded to [b, T_resp]."""
         pad = 0
         seqs = [p + r for p, r in zip(batch.prompt_ids[lo:hi], batch.response_ids[lo:hi])]
@@ -91,7 +99,7 @@ class Learner:
             ids[j, : len(s)] = torch.tensor(s)
             attn[j, : len(s)] = 1
         ids, attn = ids.to(self.device), attn.to(self.device)
-        logits = self.model(input_ids=ids, attention_mask=attn).logits.float()
+        logits = (model or self.model)(input_ids=ids, attention_mask=attn).logits.float()
         logits = logits / self.cfg.rollout.temperature  # the distribution the tokens were sampled from
         t_resp = max(len(r) for r in batch.response_ids[lo:hi])
         out = torch.zeros(len(seqs), t_resp, device=self.device)
@@ -139,7 +147,12 @@ class Learner:
                     old[j, : len(o)] = torch.tensor(o, device=self.device)
             # Normalised by mini-batch-wide counts, so summing micro-batches and averaging ranks (FSDP) gives
             # exactly the mini-batch loss (see rayrl.algos).
-            loss, metrics = algos.policy_loss(old, lp, adv, mask, self.cfg.algo, global_token_count=batch.global_tokens,
+            ref = None
+            if self.ref is not None:
+                with torch.no_grad():
+                    ref = self._logprobs(batch, lo, hi, model=self.ref)[0]
+            loss, metrics = algos.policy_loss(old, lp, adv, mask, self.cfg.algo, ref_logprobs=ref,
+                                              global_token_count=batch.global_tokens,
                                               global_seq_count=batch.global_seqs, dp_size=self.world_size,
                                               loss_scale_factor=self.cfg.rollout.max_response_length)
             loss.backward()
@@ -147,6 +160,8 @@ class Learner:
             sums["loss"] = sums.get("loss", 0.0) + loss.item() / self.world_size
             for k in ("pg_clipfrac", "ppo_kl"):
                 sums[k] = sums.get(k, 0.0) + float(metrics[k]) * share
+            if "kl_loss" in metrics:  # already this micro-batch's share of the mini-batch value
+                sums["kl_loss"] = sums.get("kl_loss", 0.0) + float(metrics["kl_loss"]) / self.world_size
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.learner.grad_clip)
         grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
         if np.isfinite(grad_norm):
