@@ -27,10 +27,10 @@ from dataclasses import dataclass
 
 import ray
 
-from rayrl.actors.queue import TaskQueue
+from rayrl.actors.queue import TaskQueue, pack
 from rayrl.types import Task, Trajectory
 
-TARGETS = {"one at a time": 0.5, "batched": 1.0}  # TaskQueue / Redis
+TARGETS = {"single": 0.5, "batched": 1.0}  # TaskQueue / Redis
 WAIT_S = 30.0  # every blocking call has a timeout: a stuck run fails instead of hanging
 
 
@@ -95,7 +95,7 @@ def drive(put: Callable[[list[Task]], None], get: Callable[[], list], tasks: lis
 
 @ray.remote(num_cpus=0)
 class Consumer:
-    """Rollout-worker stand-in: hands in the previous results and leases the next tasks in one call."""
+    """Rollout-worker stand-in: hands in the previous results and leases the next tasks in one blocking call."""
 
     def __init__(self, queue, worker_id: str):
         self.queue, self.worker_id = queue, worker_id
@@ -103,7 +103,7 @@ class Consumer:
     def run(self, n: int, batch: int) -> int:
         done, results = 0, []
         while done < n:
-            accepted, got = ray.get(self.queue.ack_and_lease.remote(self.worker_id, results, batch, WAIT_S),
+            accepted, got = ray.get(self.queue.ack_and_lease.remote(self.worker_id, pack(results), batch, WAIT_S),
                                     timeout=WAIT_S + 10)
             done += accepted
             results = [result_for(t, self.worker_id) for _, t in got]
@@ -116,7 +116,7 @@ def bench_taskqueue(q, consumer, tasks: list[Task], warm: list[Task], batch: int
     done = consumer.run.remote(len(warm) + len(tasks), batch)
 
     def put(c: list[Task]) -> None:
-        ray.get(q.put.remote(c), timeout=WAIT_S)
+        ray.get(q.put.remote(pack(c)), timeout=WAIT_S)
 
     def get() -> list:
         return ray.get(q.get_results.remote(batch, WAIT_S), timeout=WAIT_S + 10)
@@ -226,19 +226,24 @@ def main() -> None:
     ap.add_argument("--n-batched", type=int, default=30000, help="tasks in the batched mode")
     ap.add_argument("--batch", type=int, default=64, help="items per call in the batched mode")
     ap.add_argument("--repeats", type=int, default=3, help="runs per backend and mode; the best one counts")
+    ap.add_argument("--modes", default="single,batched", help="comma-separated: single, batched")
     args = ap.parse_args()
 
     redis_proc, port = start_redis()
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
     runs: list[Run] = []
     try:
+        # Ray starts its workers at nice 15; redis-server and the Redis consumer run at 0. Same priority
+        # for both sides, or on a busy machine the TaskQueue side loses the CPU for a reason unrelated to it.
+        ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, _system_config={"worker_niceness": 0})
         q = TaskQueue.remote()
         consumer = Consumer.remote(q, "consumer-0")
         ray.get(q.stats.remote(), timeout=60)
-        modes = [("one at a time", args.n_single, 1), ("batched", args.n_batched, args.batch)]
+        modes = [m for m in [("single", "one at a time", args.n_single, 1),
+                             ("batched", f"batches of {args.batch}", args.n_batched, args.batch)]
+                 if m[0] in args.modes.split(",")]
         for rep in range(args.repeats):
-            for mode, n, batch in modes:
-                warm = make_tasks(f"warm{rep}-{batch}", min(n, 50 * batch))
+            for _, mode, n, batch in modes:
+                warm = make_tasks(f"warm{rep}-{batch}", min(n, 20 * batch))
                 tasks = make_tasks(f"run{rep}-{batch}", n)
                 # Alternate which backend goes first, so drift on a shared machine hits both.
                 order = ["taskqueue", "redis"] if rep % 2 == 0 else ["redis", "taskqueue"]
@@ -258,13 +263,13 @@ def main() -> None:
     print("| mode | tasks | TaskQueue items/s | Redis items/s | TaskQueue/Redis | target | result |")
     print("|---|---|---|---|---|---|---|")
     ok = True
-    for mode, n, _ in modes:
+    for key, mode, n, _ in modes:
         best = {b: max(r.rate for r in runs if r.backend == b and r.mode == mode) for b in ("taskqueue", "redis")}
         ratio = best["taskqueue"] / best["redis"]
-        passed = ratio >= TARGETS[mode]
+        passed = ratio >= TARGETS[key]
         ok &= passed
         print(f"| {mode} | {n} | {best['taskqueue']:,.0f} | {best['redis']:,.0f} | {ratio:.2f}x "
-              f"| >= {TARGETS[mode]}x | {'PASS' if passed else 'FAIL'} |")
+              f"| >= {TARGETS[key]}x | {'PASS' if passed else 'FAIL'} |")
     sys.exit(0 if ok else 1)
 
 

@@ -6,11 +6,16 @@ A worker *leases* tasks rather than popping them: a lease that is not acked befo
 or whose worker the driver reports dead (`release_worker`), goes back to the front of the queue.
 Results are keyed by `task_id`, so a task finished twice (an expired lease finished late *and*
 by the re-leaser) is kept once: nothing is lost, nothing is counted twice.
+
+Senders may wrap what they put/ack in `pack(...)`: each payload is pickled once by the sender and
+kept as bytes by the queue actor, which then never (un)pickles a Task or Trajectory; receivers get
+the plain objects back either way. Unpacked objects work too, at a higher cost per item.
 """
 
 from __future__ import annotations
 
 import asyncio
+import pickle
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
@@ -20,6 +25,63 @@ from typing import Any
 import ray
 
 _MISSING = object()
+
+
+class Packed:
+    """One task or result as its task_id and its pickled bytes (see `pack`)."""
+
+    __slots__ = ("task_id", "blob")
+
+    def __init__(self, task_id: str, blob: bytes):
+        self.task_id, self.blob = task_id, blob
+
+
+def pack(items: list) -> list[Packed]:
+    """Pickle each task/result once, on the sender's side, for `put` / `ack` / `ack_and_lease`.
+
+    The queue actor keeps the bytes as they are and the receiver unpickles them: the queue's
+    cost per item no longer grows with the payload (a Trajectory carries thousands of token ids).
+    Only for arguments to the queue actor: anywhere else the items arrive as `Packed`.
+    """
+    return _PackedBatch(Packed(x.task_id, _dumps(x)) for x in items)
+
+
+def _dumps(x: Any) -> bytes:
+    try:
+        return pickle.dumps(x, protocol=pickle.HIGHEST_PROTOCOL)
+    except (pickle.PicklingError, TypeError, AttributeError):
+        # e.g. a lambda in extra_info: cloudpickle output loads with plain pickle.loads.
+        return ray.cloudpickle.dumps(x, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+class _PackedBatch(list):
+    # Sent as two flat lists of str/bytes: pickle's C fast path, no Python call per item
+    # (Ray's cloudpickle calls reducer_override for every other object).
+    def __reduce__(self):
+        return _as_packed, ([p.task_id for p in self], [p.blob for p in self])
+
+
+def _as_packed(task_ids: list[str], blobs: list[bytes]) -> list[Packed]:
+    return [Packed(t, b) for t, b in zip(task_ids, blobs)]
+
+
+class _Unpacked(list):
+    """What the actor returns: a list whose Packed items arrive unpickled on the receiver's side."""
+
+    def __init__(self, items: list, lease_ids: list[str] | None = None):
+        super().__init__(items if lease_ids is None else zip(lease_ids, items))
+        self._lease_ids = lease_ids
+
+    def __reduce__(self):
+        items = self if self._lease_ids is None else [x for _, x in self]
+        # Packed -> its bytes; an object put without pack() travels as itself (never bytes: it has a task_id).
+        wire = [x.blob if type(x) is Packed else x for x in items]
+        return _unpack_wire, (wire, self._lease_ids)
+
+
+def _unpack_wire(wire: list, lease_ids: list[str] | None) -> list:
+    items = [pickle.loads(x) if type(x) is bytes else x for x in wire]
+    return items if lease_ids is None else list(zip(lease_ids, items))
 
 
 @dataclass(slots=True)
@@ -68,7 +130,7 @@ class LeaseQueue:
         """Append tasks; a task_id already pending, leased or completed is ignored. Returns how many were added."""
         added = 0
         for item in items:
-            tid = item.task_id
+            tid = _task_id(item, "put")
             if tid in self._pending or tid in self._leased or tid in self._completed:
                 self.duplicates_total += 1
                 continue
@@ -103,7 +165,7 @@ class LeaseQueue:
         """
         accepted = 0
         for res in results:
-            tid = res.task_id
+            tid = _task_id(res, "ack")
             if tid in self._completed:
                 self.duplicates_total += 1
                 continue
@@ -180,6 +242,13 @@ class LeaseQueue:
             del self._by_worker[worker_id]
 
 
+def _task_id(x: Any, op: str) -> str:
+    try:
+        return x.task_id
+    except AttributeError:
+        raise TypeError(f"{op}: items need a task_id (a Task, a Trajectory or pack(...)), got {type(x).__name__}") from None
+
+
 class _Waiters:
     """Callers parked until something arrives: a future each, woken oldest first, no polling."""
 
@@ -252,7 +321,7 @@ class TaskQueueActor:
         self._start()
         got = self._q.lease(worker_id, max_items)
         if got or timeout <= 0:
-            return got
+            return _leases_out(got)
         epoch = self._epoch.get(worker_id, 0)
         loop = asyncio.get_running_loop()
         end = loop.time() + timeout
@@ -267,7 +336,7 @@ class TaskQueueActor:
             if got:
                 # Woken for more items than this call took: pass the wake-up on.
                 self._wake_leasers()
-                return got
+                return _leases_out(got)
 
     async def ack(self, worker_id: str, results: list) -> int:
         """Hand in results; returns how many were accepted (duplicates and unknown tasks are dropped)."""
@@ -295,7 +364,7 @@ class TaskQueueActor:
             if remaining <= 0:
                 break
             await self._collectors.wait(remaining)
-        return self._q.take_results(max_items)
+        return _Unpacked(self._q.take_results(max_items))
 
     async def release_worker(self, worker_id: str) -> int:
         """Re-queue every lease of `worker_id` (the driver saw it die); returns how many."""
@@ -330,6 +399,10 @@ class TaskQueueActor:
             await asyncio.sleep(self._expire_interval)
             self._q.expire()
             self._wake_leasers()
+
+
+def _leases_out(got: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    return _Unpacked([item for _, item in got], [lease_id for lease_id, _ in got])
 
 
 # num_cpus=0: a control-plane actor must not take a CPU slot from the rollout workers.

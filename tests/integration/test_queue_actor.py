@@ -9,7 +9,7 @@ import pytest
 import ray
 from ray import cloudpickle
 
-from rayrl.actors.queue import TaskQueue
+from rayrl.actors.queue import TaskQueue, pack
 from rayrl.types import Task, Trajectory
 
 pytestmark = pytest.mark.integration
@@ -37,7 +37,7 @@ def result(t: Task, worker: str) -> Trajectory:
 
 @ray.remote(num_cpus=0)
 class Worker:
-    """A rollout worker stand-in: leases tasks and, unless told to stall, acks a result for each."""
+    """A rollout worker stand-in: leases tasks and, unless told to stall, acks a result for each (packed)."""
 
     def __init__(self, queue, worker_id: str):
         self.queue, self.worker_id = queue, worker_id
@@ -49,7 +49,7 @@ class Worker:
     def run(self, n_tasks: int, idle_timeout: float = 2.0) -> int:
         done, results = 0, []
         while True:
-            accepted, got = ray.get(self.queue.ack_and_lease.remote(self.worker_id, results, 4, idle_timeout),
+            accepted, got = ray.get(self.queue.ack_and_lease.remote(self.worker_id, pack(results), 4, idle_timeout),
                                     timeout=30)
             done += accepted
             if not got:
@@ -97,7 +97,7 @@ def test_timeouts_return_empty_after_about_the_timeout() -> None:
 def test_killed_worker_leases_are_released_and_finished_once_by_another() -> None:
     q = TaskQueue.remote()
     tasks = [task(i) for i in range(20)]
-    assert ray.get(q.put.remote(tasks), timeout=30) == 20
+    assert ray.get(q.put.remote(pack(tasks)), timeout=30) == 20
     doomed = Worker.remote(q, "doomed")
     held = ray.get(doomed.lease_and_stall.remote(5), timeout=60)
     assert len(held) == 5
@@ -109,6 +109,7 @@ def test_killed_worker_leases_are_released_and_finished_once_by_another() -> Non
     assert ray.get(survivor.run.remote(20, idle_timeout=1.0), timeout=60) == 20
     res = ray.get(q.get_results.remote(100, 5.0, min_items=20), timeout=10)
     assert sorted(r.task_id for r in res) == sorted(t.task_id for t in tasks)  # each exactly once
+    assert all(type(r) is Trajectory for r in res)  # packed by the worker, plain objects here
     assert {r.worker for r in res} == {"survivor"}
     s = ray.get(q.stats.remote())
     assert (s["pending"], s["leased"], s["completed_total"], s["requeued_total"]) == (0, 0, 20, 5)

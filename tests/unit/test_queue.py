@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 
-from rayrl.actors.queue import LeaseQueue
+from rayrl.actors.queue import LeaseQueue, Packed, _leases_out, _Unpacked, pack
 from rayrl.types import Task, Trajectory
 
 
@@ -180,3 +182,35 @@ def test_stats_keys(q: LeaseQueue) -> None:
 def test_bad_lease_timeout() -> None:
     with pytest.raises(ValueError, match="lease_timeout must be > 0, got 0"):
         LeaseQueue(lease_timeout=0)
+
+
+def test_items_without_task_id_are_a_clear_error(q: LeaseQueue) -> None:
+    with pytest.raises(TypeError, match="put: items need a task_id .* got dict"):
+        q.put([{"task_id": "x"}])
+    with pytest.raises(TypeError, match="ack: items need a task_id"):
+        q.ack("w1", ["x"])
+
+
+def test_packed_items_cross_the_wire_as_bytes_and_arrive_as_objects(q: LeaseQueue) -> None:
+    tasks = [task(i) for i in range(3)]
+    # What the queue actor receives from put(pack(...)): Packed items, payloads still bytes.
+    received = pickle.loads(pickle.dumps(pack(tasks), protocol=5))
+    assert [type(x) for x in received] == [Packed] * 3
+    assert [x.task_id for x in received] == [t.task_id for t in tasks]
+    q.put(received + [task(3)])  # an unpacked item mixes in
+    leased = q.lease("w1", max_items=4)
+    # What the worker receives from the actor's lease(): plain (lease_id, Task) pairs.
+    got = pickle.loads(pickle.dumps(_leases_out(leased), protocol=5))
+    assert got == [(lid, t) for (lid, _), t in zip(leased, tasks + [task(3)])]
+    results = pickle.loads(pickle.dumps(pack([result(t, "w1") for t in tasks]), protocol=5))
+    assert q.ack("w1", results + [result(task(3), "w1")]) == 4
+    # What the driver receives from get_results(): plain Trajectories.
+    out = pickle.loads(pickle.dumps(_Unpacked(q.take_results(10)), protocol=5))
+    assert out == [result(t, "w1") for t in tasks + [task(3)]]
+
+
+def test_pack_falls_back_to_cloudpickle() -> None:
+    t = task(0)
+    t.extra_info["check"] = lambda x: x + 1  # plain pickle cannot do this
+    (p,) = pickle.loads(pickle.dumps(pack([t]), protocol=5))
+    assert pickle.loads(p.blob).extra_info["check"](1) == 2
