@@ -1,0 +1,398 @@
+"""GPU benchmarks of rayrl's Engine and Learner against their physical or vLLM peers, one ratio per run.
+
+    python bench/gpu/bench_engine.py all --out DIR      # every part below, each in its own process
+    python bench/gpu/bench_engine.py ceil|vllm|engine|sync05 --out DIR
+
+Parts (each appends one JSON line to DIR/bench.jsonl and prints a table line):
+- ceil:   the card's two ceilings: device-to-device copy (bytes read + written) and an 8192^3 bf16 matmul.
+- vllm:   vLLM's own offline `LLM.generate` on the prompts below (the peer).
+- engine: rayrl's `Engine` (vllm backend, AsyncLLM, one request per sample) on the same prompts and sampling;
+          then with a `Learner` (FSDP2, nccl) on the same GPU: weight sync learner -> engine through rayrl's path
+          (`Learner.weights` -> `Engine.update_weights`) and through CUDA IPC (a prototype, see `ipc_sync`), each
+          against a device-to-device copy of the same bytes; engine-vs-learner logprob agreement after each sync.
+- sync05: the same two syncs for a random-init Qwen2.5-0.5B-shaped model (untied lm_head), and the learner's
+          training throughput / MFU on it.
+
+Prompts: reasoning-gym basic_arithmetic (rayrl's default job data) through SmolLM2's chat template, 1024 prompts
+n=1 and 128 prompts x n=8, 256 new tokens, temperature 1, the sampled token's logprob.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import time
+
+import torch
+
+PEAK_BF16 = 989.4e12  # H200 SXM dense bf16, datasheet
+OUT = "."
+SYNC_LR = 2e-4  # large enough that one Adam step moves bf16 weights (1e-5 is below a bf16 ulp of most weights)
+
+
+def emit(part: str, **kv) -> None:
+    kv = {"part": part, "time": time.strftime("%Y-%m-%d %H:%M:%S"), **kv}
+    with open(os.path.join(OUT, "bench.jsonl"), "a") as f:
+        f.write(json.dumps(kv) + "\n")
+    print("BENCH", json.dumps(kv), flush=True)
+
+
+def d2d_seconds(nbytes: int, reps: int = 20) -> float:
+    """Median seconds of one device-to-device copy of nbytes (random data)."""
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ts = []
+    for i in range(reps + 3):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record(); dst.copy_(src); b.record(); torch.cuda.synchronize()
+        if i >= 3:
+            ts.append(a.elapsed_time(b) / 1e3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return sorted(ts)[len(ts) // 2]
+
+
+def prompts(model_path: str, count: int, seed: int = 7) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    from rayrl.config import DataConfig
+    from rayrl.data import load_rows
+
+    d = DataConfig()
+    tok = AutoTokenizer.from_pretrained(model_path)
+    rows = load_rows(d.source, count, seed, d.gym_kwargs, d.system_prompt)
+    return [tok.encode(tok.apply_chat_template(r.messages, add_generation_prompt=True, tokenize=False),
+                       add_special_tokens=False) for r in rows]
+
+
+# --- parts -----------------------------------------------------------------------------------------
+
+def part_ceil(args) -> None:
+    n = 4 << 30
+    t = d2d_seconds(n, 10)
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn_like(a)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(10):
+        a @ b
+    e.record(); torch.cuda.synchronize()
+    tflops = 10 * 2 * 8192**3 / (s.elapsed_time(e) / 1e3) / 1e12
+    emit("ceil", d2d_TBps=2 * n / t / 1e12, matmul_bf16_TFLOPs=tflops, gpu=torch.cuda.get_device_name())
+
+
+def _sampling_kw(args):
+    return dict(max_tokens=args.max_tokens, temperature=1.0, top_p=1.0, logprobs=0)
+
+
+def _engine_args(args) -> dict:
+    return dict(dtype="bfloat16", seed=0, max_model_len=1024, enforce_eager=args.eager, max_num_seqs=args.max_num_seqs,
+                enable_prefix_caching=True, gpu_memory_utilization=args.gpu_mem, max_logprobs=1)
+
+
+def part_vllm(args) -> None:
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from rayrl.models import resolve_model
+
+    path = resolve_model("smollm2")
+    ps = prompts(path, 1024)
+    t0 = time.perf_counter()
+    llm = LLM(model=path, **_engine_args(args))
+    start_s = time.perf_counter() - t0
+    llm.generate([TokensPrompt(prompt_token_ids=p) for p in ps[:64]], SamplingParams(**_sampling_kw(args)), use_tqdm=False)
+    res = {}
+    for name, sub, n in (("1024x1", ps, 1), ("128x8", ps[:128], 8)):
+        sp = SamplingParams(n=n, **_sampling_kw(args))
+        t0 = time.perf_counter()
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in sub], sp, use_tqdm=False)
+        dt = time.perf_counter() - t0
+        toks = sum(len(c.token_ids) for o in outs for c in o.outputs)
+        res[name] = {"tokens": toks, "seconds": dt, "tok_s": toks / dt}
+    emit("vllm", start_s=start_s, prompt_len_mean=sum(map(len, ps)) / len(ps), eager=args.eager,
+         max_num_seqs=args.max_num_seqs, **{f"{k}_{m}": v for k, r in res.items() for m, v in r.items()})
+    del llm
+
+
+def _learner(model_path: str, lr: float, micro: int = 8):
+    from rayrl.actors.learner import Learner
+    from rayrl.config import load_config
+
+    cfg = load_config(None, [f"model.path={model_path}", "model.dtype=bfloat16", "learner.gpus_per_worker=1",
+                             f"learner.lr={lr}", f"learner.micro_batch_size={micro}", "data.max_prompt_length=256",
+                             "rollout.max_response_length=768"], check_files=False)
+    ln = Learner(model_path, cfg)
+    t0 = time.perf_counter()
+    nparams = ln.setup()
+    return ln, nparams, time.perf_counter() - t0
+
+
+def _batch(prompt_ids, response_ids, adv=None):
+    from rayrl.types import TrainBatch
+
+    masks = [[1] * len(r) for r in response_ids]
+    advs = [[(adv[i] if adv else 0.0)] * len(r) for i, r in enumerate(response_ids)]
+    return TrainBatch(prompt_ids=[list(p) for p in prompt_ids], response_ids=[list(r) for r in response_ids],
+                      loss_mask=masks, advantages=advs, global_tokens=sum(map(len, masks)), global_seqs=len(masks))
+
+
+async def _gen_all(eng, ps, max_tokens, n=1):
+    from rayrl.actors.engine import Sampling
+
+    s = Sampling(max_tokens=max_tokens, temperature=1.0)
+    return await asyncio.gather(*[eng.generate(p, s) for p in ps for _ in range(n)])
+
+
+async def logprob_agreement(eng, ln, ps) -> dict:
+    """Engine samples; the learner scores the same tokens. Max/mean abs diff of the sampled tokens' logprobs."""
+    gens = await _gen_all(eng, ps, 64)
+    gens = [g for g in gens if g.token_ids]
+    lp = ln.compute_logprobs(_batch([g.prompt_ids for g in gens], [g.token_ids for g in gens]))
+    d = [abs(a - b) for g, l in zip(gens, lp) for a, b in zip(g.logprobs, l)]
+    return {"max_abs": max(d), "mean_abs": sum(d) / len(d), "tokens": len(d)}
+
+
+def ipc_state(ln) -> tuple[torch.Tensor, list]:
+    """Learner side of the CUDA-IPC path: the full state dict, gathered on the GPU, in one bf16 buffer."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(ln.model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
+    dtype = getattr(torch, ln.cfg.model.dtype)
+    total = sum(v.numel() for v in state.values())
+    flat = torch.empty(total, dtype=dtype, device=ln.device)
+    meta, o = [], 0
+    for k, v in state.items():
+        n = v.numel()
+        flat[o:o + n].copy_(v.reshape(-1))
+        meta.append((k, tuple(v.shape), o))
+        o += n
+    if flat.is_cuda:
+        torch.cuda.synchronize()
+    return flat, meta
+
+
+def _worker_load_ipc(self, blob: bytes) -> int:
+    """Runs inside vLLM's GPU worker process (collective_rpc): open the learner's buffer, load views of it."""
+    import pickle as _p
+
+    import torch as _t
+
+    fn, args, meta = _p.loads(blob)
+    flat = fn(*args)
+
+    def views():
+        return ((k, flat[o:o + int(_t.Size(s).numel())].view(s)) for k, s, o in meta)
+
+    try:  # GPU, unquantized: the model's own loader copies each view into place (what the shared README measured)
+        self.model_runner.get_model().load_weights(views())
+        how = "load_weights"
+    except AttributeError:  # layers whose params were repacked after loading (vLLM's CPU build): full reload path
+        self.model_runner.reload_weights(weights_iterator=views())
+        how = "reload_weights"
+    if flat.is_cuda:
+        _t.cuda.synchronize()
+    del flat
+    return how
+
+
+async def ipc_sync(ln, eng, version: int) -> dict:
+    """Learner -> engine through CUDA IPC (same GPU, engine worker in its own process): no host copy at all."""
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    t0 = time.perf_counter()
+    flat, meta = ipc_state(ln)
+    t1 = time.perf_counter()
+    fn, fargs = reduce_tensor(flat)
+    blob = pickle.dumps((fn, fargs, meta))
+    llm = eng._backend.llm
+    how = await llm.collective_rpc(_worker_load_ipc, args=(blob,))
+    await llm.reset_prefix_cache()
+    eng.version = version
+    t2 = time.perf_counter()
+    nbytes = flat.numel() * flat.element_size()
+    del flat
+    return {"gather_s": t1 - t0, "load_s": t2 - t1, "total_s": t2 - t0, "bytes": nbytes, "how": how[0]}
+
+
+async def rayrl_sync(ln, eng, version: int) -> dict:
+    t0 = time.perf_counter()
+    packet = ln.weights(version)
+    t1 = time.perf_counter()
+    upd = await eng.update_weights(packet)
+    return {"weights_s": t1 - t0, "update_s": upd, "total_s": time.perf_counter() - t0, "bytes": packet.nbytes}
+
+
+async def sync_suite(ln, eng, ps, tag: str, reps: int = 3) -> None:
+    """Both sync paths, each after a real optimizer step (so the weights differ), with logprob agreement."""
+    out = {"model": tag}
+    gens = [g for g in await _gen_all(eng, ps[:64], 64) if g.token_ids]
+    step_batch = _batch([g.prompt_ids for g in gens], [g.token_ids for g in gens],
+                        adv=[1.0 if i % 2 else -1.0 for i in range(len(gens))])
+    for path, fn in (("rayrl", rayrl_sync), ("ipc", ipc_sync)):
+        ts = []
+        for r in range(reps):
+            ln.train_step(step_batch)
+            if r == 0:
+                out[f"{path}_stale_logprob"] = await logprob_agreement(eng, ln, ps[:32])
+            ts.append(await fn(ln, eng, 100 + r))
+        out[f"{path}_logprob"] = await logprob_agreement(eng, ln, ps[:32])
+        out[f"{path}_runs"] = ts
+        out[f"{path}_total_s_median"] = sorted(t["total_s"] for t in ts)[len(ts) // 2]
+    nbytes = out["ipc_runs"][0]["bytes"]
+    out["d2d_copy_s"] = d2d_seconds(nbytes)
+    out["bytes"] = nbytes
+    for path in ("rayrl", "ipc"):
+        out[f"{path}_over_d2d"] = out[f"{path}_total_s_median"] / out["d2d_copy_s"]
+    emit("sync", **out)
+
+
+async def _engine(path, args):
+    from rayrl.actors.engine import Engine
+    from rayrl.config import EngineConfig
+
+    cfg = EngineConfig(backend="vllm", gpus_per_engine=1, max_model_len=1024, gpu_memory_utilization=args.gpu_mem,
+                       enforce_eager=args.eager, max_num_seqs=args.max_num_seqs)
+    eng = Engine(path, cfg, dtype="bfloat16", seed=0)
+    t0 = time.perf_counter()
+    await eng.start()
+    return eng, time.perf_counter() - t0
+
+
+async def part_engine(args) -> None:
+    from rayrl.models import resolve_model
+
+    path = resolve_model("smollm2")
+    ps = prompts(path, 1024)
+    eng, start_s = await _engine(path, args)
+    await _gen_all(eng, ps[:64], args.max_tokens)
+    res = {}
+    for name, sub, n in (("1024x1", ps, 1), ("128x8", ps[:128], 8)):
+        t0 = time.perf_counter()
+        gens = await _gen_all(eng, sub, args.max_tokens, n)
+        dt = time.perf_counter() - t0
+        toks = sum(len(g.token_ids) for g in gens)
+        res[name] = {"tokens": toks, "seconds": dt, "tok_s": toks / dt}
+    emit("engine", start_s=start_s, eager=args.eager, max_num_seqs=args.max_num_seqs,
+         **{f"{k}_{m}": v for k, r in res.items() for m, v in r.items()})
+    if not args.no_sync:
+        ln, nparams, setup_s = _learner(path, lr=SYNC_LR)
+        await sync_suite(ln, eng, ps, "SmolLM2-135M")
+        ln.shutdown()
+    await eng.shutdown()
+
+
+def make_qwen05(target: str, tok_from: str) -> str:
+    """A random-init Qwen2.5-0.5B-shaped model (untied lm_head: rayrl's engines reload lm_head separately)."""
+    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+
+    if os.path.exists(os.path.join(target, "config.json")):
+        return target
+    tok = AutoTokenizer.from_pretrained(tok_from)
+    cfg = Qwen2Config(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                      num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=4096, rope_theta=1e6,
+                      tie_word_embeddings=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                      bos_token_id=None, torch_dtype="bfloat16")
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
+    model.save_pretrained(target, safe_serialization=True)
+    tok.save_pretrained(target)
+    return target
+
+
+def train_throughput(ln, seqs: int, seq_len: int, prompt_len: int, vocab: int, steps: int = 3) -> dict:
+    vocab = min(vocab, ln.model.config.vocab_size)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (seqs, seq_len), generator=g).tolist()
+    b = _batch([s[:prompt_len] for s in ids], [s[prompt_len:] for s in ids],
+               adv=[1.0 if i % 2 else -1.0 for i in range(seqs)])
+    cuda = torch.cuda.is_available()
+    ln.train_step(b)  # warm-up
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        ln.train_step(b)
+    if cuda:
+        torch.cuda.synchronize()
+    dt = (time.perf_counter() - t0) / steps
+    m = ln.model.config
+    n_matmul = sum(p.numel() for n, p in ln.model.named_parameters() if "embed_tokens" not in n)
+    tokens = seqs * seq_len
+    flops = 6 * n_matmul * tokens + 6 * m.num_hidden_layers * m.hidden_size * seq_len * tokens  # causal attention
+    return {"seqs": seqs, "seq_len": seq_len, "micro_batch": ln.cfg.learner.micro_batch_size, "step_s": dt,
+            "tok_s": tokens / dt, "tflops": flops / dt / 1e12, "mfu": flops / dt / PEAK_BF16,
+            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None, "matmul_params": n_matmul}
+
+
+async def part_sync05(args) -> None:
+    from rayrl.models import resolve_model
+
+    small = resolve_model("smollm2")
+    path = make_qwen05("/tmp/rayrl-cache/qwen05-shape", small)
+    ps = prompts(small, 64)
+    ln, nparams, setup_s = _learner(path, lr=SYNC_LR)
+    args.eager = True  # sync and learner figures do not depend on CUDA graphs; skip their capture for a new model
+    eng, start_s = await _engine(path, args)
+    await sync_suite(ln, eng, ps, "Qwen2.5-0.5B-shape(random)")
+    await eng.shutdown()
+    for seqs, seq_len, micro in ((64, 1024, 8), (32, 2048, 4)):
+        try:
+            ln.cfg.learner.micro_batch_size = micro
+            emit("learner", model="Qwen2.5-0.5B-shape(random)", params=nparams,
+                 **train_throughput(ln, seqs, seq_len, 256, 151936))
+        except Exception as e:  # noqa: BLE001 - report and go on
+            emit("learner", model="Qwen2.5-0.5B-shape", error=repr(e)[:300], seqs=seqs, seq_len=seq_len)
+    ln.shutdown()
+
+
+def main() -> int:
+    global OUT
+    ap = argparse.ArgumentParser()
+    ap.add_argument("part", choices=["all", "ceil", "vllm", "engine", "sync05"])
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--max-tokens", type=int, default=256)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--gpu-mem", type=float, default=0.3)
+    ap.add_argument("--eager", action="store_true", help="enforce_eager (no CUDA graphs) for both vLLM and Engine")
+    ap.add_argument("--no-sync", action="store_true")
+    ap.add_argument("--timeout", type=float, default=300, help="per part, when running all")
+    ap.add_argument("--parts", default="ceil,vllm,engine,sync05", help="which parts 'all' runs, in order")
+    args = ap.parse_args()
+    OUT = args.out
+    os.makedirs(OUT, exist_ok=True)
+    if args.part == "all":
+        rest = [a for a in sys.argv[2:]]
+        for p in args.parts.split(","):
+            t0 = time.perf_counter()
+            proc = subprocess.Popen([sys.executable, __file__, p, *rest], start_new_session=True)
+            try:
+                rc = proc.wait(timeout=args.timeout)
+            except subprocess.TimeoutExpired:  # the whole group: vLLM's engine-core process too
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                rc = "timeout"
+            print(f"bench part {p}: rc={rc} in {time.perf_counter() - t0:.0f}s", flush=True)
+        return 0
+    if args.part == "ceil":
+        part_ceil(args)
+    elif args.part == "vllm":
+        part_vllm(args)
+    else:
+        asyncio.run({"engine": part_engine, "sync05": part_sync05}[args.part](args))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
