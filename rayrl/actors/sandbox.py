@@ -451,10 +451,11 @@ def _enter_namespaces(c: SandboxConfig, workdir: str, isolation: dict, keep: lis
     _sys(libc.mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None), "mount --make-rprivate /")
     # Open what must stay visible before covering it: the work dir (under /tmp) and the interpreter's tree.
     work_fd = os.open(workdir, os.O_PATH)
+    covered = (*c.hide_paths, "/tmp", "/var/tmp", "/dev/shm")  # e.g. a virtualenv in /tmp must stay importable
     keep_fds = [(p, os.open(p, os.O_PATH)) for p in keep
-                if any(p == h or p.startswith(h.rstrip("/") + "/") for h in c.hide_paths) and os.path.isdir(p)]
+                if any(p == h or p.startswith(h.rstrip("/") + "/") for h in covered) and os.path.isdir(p)]
     tmpfs = f"size={c.tmpfs_mb}m,mode=1777".encode()
-    for path in (*c.hide_paths, "/tmp", "/var/tmp", "/dev/shm"):
+    for path in covered:
         if os.path.isdir(path):
             opts = tmpfs if path in ("/tmp", "/var/tmp", "/dev/shm") else b"size=1m,mode=0755"
             _sys(libc.mount(b"tmpfs", path.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, opts), f"mount tmpfs {path}")
