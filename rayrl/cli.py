@@ -1,4 +1,4 @@
-"""`rayrl` command line: train | export-hf."""
+"""`rayrl` command line: train | trace dump | export-hf."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: rayrl train [JOB.yaml] [section.key=value ...]\n"
+              "       rayrl trace dump [RUN_DIR | JOB.yaml] [--steps FIRST LAST] -o trace.json\n"
               "       rayrl export-hf CHECKPOINT_DIR -o OUT_DIR [--model PATH]\n\n"
               "`rayrl train` with no arguments runs the embedded default job (SmolLM2-135M, GRPO, arithmetic, CPU).")
         return 0 if argv else 2
@@ -28,8 +29,38 @@ def main(argv: list[str] | None = None) -> int:
 
         print(export_hf(a.checkpoint, a.out, a.model))
         return 0
-    print(f"rayrl: unknown command {cmd!r} (train, export-hf)", file=sys.stderr)
+    if cmd == "trace":
+        return trace_main(rest)
+    print(f"rayrl: unknown command {cmd!r} (train, trace, export-hf)", file=sys.stderr)
     return 2
+
+
+def trace_main(argv: list[str]) -> int:
+    """`rayrl trace dump`: steps FIRST..LAST (inclusive, as numbered in the step log) of a run as one trace.json."""
+    p = argparse.ArgumentParser(prog="rayrl trace dump", description=trace_main.__doc__)
+    p.add_argument("action", choices=["dump"])
+    p.add_argument("run", nargs="?", default=None,
+                   help="the run's output_dir, or its job YAML (uses trainer.output_dir); default: the default job's")
+    p.add_argument("--steps", nargs=2, type=int, metavar=("FIRST", "LAST"), default=None)
+    p.add_argument("-o", "--out", required=True)
+    a = p.parse_args(argv)
+    from rayrl import trace
+    from rayrl.config import ConfigError, load_config
+
+    run = a.run
+    if run is None or run.endswith((".yaml", ".yml")):
+        try:
+            run = load_config(run, check_files=False).trainer.output_dir
+        except ConfigError as e:
+            print(f"rayrl: config error: {e}", file=sys.stderr)
+            return 2
+    first, last = a.steps or (None, None)
+    try:
+        print(trace.dump(run, first, last, a.out))
+    except FileNotFoundError as e:
+        print(f"rayrl: {e}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,18 +1,24 @@
 """Connect to Ray and start one actor group per role: queue, engines, reward, learners, rollout workers.
 
 Actors are named by role and index (`rayrl/engine/0`, ...) so the Dashboard's Actors view reads like
-the architecture.
+the architecture. Each role gets one placement group with a bundle per actor (`placement.*`): the
+strategy spreads or packs them over however many nodes the cluster has, and a role's custom resources
+pin it to the nodes that offer them. The queue (no CPU) stays on the driver's node.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import uuid
 from dataclasses import dataclass, field
 
 import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
 from rayrl.actors.engine import EngineActor
+from rayrl.actors.gateway import GatewayActor
 from rayrl.actors.learner import LearnerWorker
 from rayrl.actors.queue import TaskQueue
 from rayrl.actors.reward import RewardActor
@@ -25,11 +31,26 @@ def connect(cfg: Config) -> None:
     if ray.is_initialized():
         return
     address = cfg.trainer.ray_address or os.environ.get("RAY_ADDRESS")
+    if address and not _reachable(address):
+        raise ConnectionError(f"no Ray cluster at {address} (from {'trainer.ray_address' if cfg.trainer.ray_address else 'RAY_ADDRESS'}); "
+                              "start one with `ray start --head`, or unset it to run on a local Ray")
     # Actors mostly wait on each other: a local cluster gets more CPU slots than cores.
     num_cpus = None if address else (cfg.trainer.ray_num_cpus or max(8, 4 * (os.cpu_count() or 2)))
     ray.init(address=address, num_cpus=num_cpus, namespace=f"rayrl-{cfg.trainer.experiment_name}-{uuid.uuid4().hex[:6]}",
              include_dashboard=None if address else False, log_to_driver=True,
              runtime_env={"env_vars": {"RAY_DEDUP_LOGS": "1"}} if not address else None)
+
+
+def _reachable(address: str) -> bool:
+    """False if `address` is host:port and nothing listens there (ray.init would retry for minutes)."""
+    host, _, port = address.rpartition(":")
+    if not port.isdigit() or "://" in address:
+        return True  # "auto", "local", ray://...: leave it to Ray
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+        return True
+    except OSError:
+        return False
 
 
 @dataclass
@@ -41,43 +62,89 @@ class Actors:
     workers: list = field(default_factory=list)
     runs: list = field(default_factory=list)  # each worker's run() ref; it resolves when the worker stops or dies
     generation: list = field(default_factory=list)  # restarts per worker slot, for unique names
+    groups: dict = field(default_factory=dict)  # role -> its placement group
+    gateway: object = None  # the OpenAI-compatible HTTP front of the engines; records every call per session
 
 
 def _threads(gpus: float) -> dict:
     # Ray sets OMP_NUM_THREADS=1 in workers; a CPU engine or learner should use every core while it runs.
-    return {} if gpus > 0 else {"runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(os.cpu_count() or 1)}}}
+    # A value the user set in the job's runtime_env wins over this default.
+    job_env = (ray.get_runtime_context().runtime_env or {}).get("env_vars") or {}
+    if gpus > 0 or "OMP_NUM_THREADS" in job_env:
+        return {}
+    return {"runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(os.cpu_count() or 1)}}}
+
+
+def reserve(cfg: Config) -> dict:
+    """One placement group per role, one bundle per actor; waits until the cluster fits them all."""
+    p, e, lc, r = cfg.placement, cfg.engine, cfg.learner, cfg.rollout
+    roles = {"engine": (e.num_engines, {"CPU": 1, "GPU": e.gpus_per_engine}, p.engine_resources),
+             "learner": (lc.num_workers, {"CPU": 1, "GPU": lc.gpus_per_worker}, p.learner_resources),
+             "reward": (1, {"CPU": 0.5}, p.reward_resources),
+             "rollout": (r.num_workers, {"CPU": 0.25}, p.rollout_resources)}
+    groups, wanted = {}, {}
+    for role, (n, res, extra) in roles.items():
+        bundle = {k: v for k, v in {**res, **extra}.items() if v > 0}
+        wanted[role] = f"{n} x {bundle}"
+        groups[role] = placement_group([bundle] * n, strategy=p.strategy, name=f"rayrl/{role}")
+    try:
+        ray.get([g.ready() for g in groups.values()], timeout=p.timeout)
+    except ray.exceptions.GetTimeoutError:
+        for g in groups.values():
+            remove_placement_group(g)
+        raise RuntimeError(f"the cluster cannot place the actors within placement.timeout={p.timeout}s "
+                           f"(strategy {p.strategy}): wanted {wanted}; it has {ray.available_resources()}") from None
+    return groups
+
+
+def _in(groups: dict, role: str, i: int) -> dict:
+    return {"scheduling_strategy": PlacementGroupSchedulingStrategy(groups[role], placement_group_bundle_index=i)}
 
 
 def start(cfg: Config, model_path: str) -> Actors:
+    groups = reserve(cfg)
     queue = TaskQueue.options(name="rayrl/queue", num_cpus=0).remote(lease_timeout=cfg.rollout.lease_timeout)
-    reward = RewardActor.options(name="rayrl/reward/0", num_cpus=0.5).remote(
+    reward = RewardActor.options(name="rayrl/reward/0", num_cpus=0.5, **_in(groups, "reward", 0),
+                                 resources=cfg.placement.reward_resources).remote(
         cfg.reward.fn, cfg.reward.timeout, cfg.reward.num_procs)
     e = cfg.engine
     engines = [EngineActor.options(name=f"rayrl/engine/{i}", num_cpus=1, num_gpus=e.gpus_per_engine, max_concurrency=1000,
+                                   resources=cfg.placement.engine_resources, **_in(groups, "engine", i),
                                    **_threads(e.gpus_per_engine))
                .remote(model_path, e, cfg.model.dtype, cfg.trainer.seed + i, f"engine/{i}") for i in range(e.num_engines)]
     lc = cfg.learner
     learners = [LearnerWorker.options(name=f"rayrl/learner/{r}", num_cpus=1, num_gpus=lc.gpus_per_worker,
+                                      resources=cfg.placement.learner_resources, **_in(groups, "learner", r),
                                       **_threads(lc.gpus_per_worker)).remote(model_path, cfg, r, lc.num_workers)
                 for r in range(lc.num_workers)]
-    # Engines and learners load in parallel; the learners rendezvous at rank 0's address.
-    starts = [eng.start.remote() for eng in engines]
-    addr, port = ray.get(learners[0].address.remote(), timeout=120)
-    ray.get([ln.setup.remote(addr, port) for ln in learners] + starts, timeout=e.sync_timeout + 600)
-    actors = Actors(queue=queue, reward=reward, engines=engines, learners=learners)
-    for i in range(cfg.rollout.num_workers):
-        actors.generation.append(0)
-        actors.workers.append(None)
-        actors.runs.append(None)
-        start_worker(actors, cfg, model_path, i)
+    actors = Actors(queue=queue, reward=reward, engines=engines, learners=learners, groups=groups)
+    try:
+        # Engines and learners load in parallel; the learners rendezvous at rank 0's address.
+        starts = [eng.start.remote() for eng in engines]
+        addr, port = ray.get(learners[0].address.remote(), timeout=120)
+        ray.get([ln.setup.remote(addr, port) for ln in learners] + starts, timeout=e.sync_timeout + 600)
+        # The Gateway runs on the driver's node (the head under `ray job submit`): its URL is what agent services use.
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        actors.gateway = GatewayActor.options(name="rayrl/gateway", num_cpus=0, max_concurrency=10000,
+                                              scheduling_strategy=here).remote(cfg, model_path, engines)
+        ray.get(actors.gateway.start.remote(), timeout=120)
+        for i in range(cfg.rollout.num_workers):
+            actors.generation.append(0)
+            actors.workers.append(None)
+            actors.runs.append(None)
+            start_worker(actors, cfg, model_path, i)
+    except BaseException:
+        shutdown(actors)  # a failed start must not leave engines or placement groups behind
+        raise
     return actors
 
 
 def start_worker(actors: Actors, cfg: Config, model_path: str, i: int) -> None:
     gen = actors.generation[i]
     w = RolloutActor.options(name=f"rayrl/rollout/{i}" + (f".{gen}" if gen else ""), num_cpus=0.25,
+                             resources=cfg.placement.rollout_resources, **_in(actors.groups, "rollout", i),
                              max_concurrency=cfg.rollout.concurrency + 8).remote(
-        f"rollout/{i}.{gen}", cfg, model_path, actors.queue, actors.engines, actors.reward)
+        f"rollout/{i}.{gen}", cfg, model_path, actors.queue, actors.gateway, actors.reward)
     actors.workers[i] = w
     actors.runs[i] = w.run.remote()
 
@@ -105,6 +172,8 @@ def shutdown(actors: Actors | None) -> None:
                 timeout=30)
     except Exception:  # noqa: BLE001 - dying anyway; the kills below still run
         pass
-    for a in [actors.queue, actors.reward, *actors.engines, *actors.learners, *actors.workers]:
+    for a in [*actors.workers, actors.gateway, actors.reward, *actors.engines, *actors.learners, actors.queue]:
         if a is not None:
             ray.kill(a, no_restart=True)
+    for g in actors.groups.values():
+        remove_placement_group(g)

@@ -70,6 +70,15 @@ class EngineConfig:
 
 
 @dataclass
+class GatewayConfig:
+    enabled: bool = True  # False: no HTTP listener; ctx.llm reaches the Gateway actor through Ray calls
+    host: str = "127.0.0.1"  # 0.0.0.0 to let agent services on other machines reach it
+    port: int = 8001  # 0 = any free port
+    model_name: str = "policy"  # the name /v1/models serves (the model path is accepted too)
+    request_timeout: float = 600.0  # seconds one chat call may take, client and engine side
+
+
+@dataclass
 class RewardConfig:
     fn: str = "auto"  # auto | reasoning_gym | math_dapo | math_verify | "module:function"
     timeout: float = 10.0  # seconds per score, enforced by killing the pool process
@@ -122,6 +131,21 @@ class TrainerConfig:
     ray_address: str | None = None  # None: join RAY_ADDRESS / a running cluster, or start a local one
     ray_num_cpus: int | None = None  # for a local cluster only
     collect_timeout: float = 1800.0  # seconds to wait for one step's trajectories
+    trace: bool = True  # write Chrome/Perfetto trace events (output_dir/trace/) and output_dir/trace.json
+
+
+@dataclass
+class PlacementConfig:
+    """Where each role's actors go: one placement group per role, one bundle per actor."""
+
+    strategy: str = "PACK"  # PACK | SPREAD | STRICT_PACK | STRICT_SPREAD, for every role's placement group
+    # Extra custom resources per actor of a role: {"worker_node": 0.01} puts it on a node started with
+    # `ray start --resources '{"worker_node": 1}'`.
+    engine_resources: dict[str, float] = field(default_factory=dict)
+    learner_resources: dict[str, float] = field(default_factory=dict)
+    rollout_resources: dict[str, float] = field(default_factory=dict)
+    reward_resources: dict[str, float] = field(default_factory=dict)
+    timeout: float = 300.0  # seconds to wait for the cluster to fit the placement groups
 
 
 @dataclass
@@ -130,10 +154,12 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -257,6 +283,8 @@ def validate(cfg: Config, check_files: bool = True) -> None:
     _require(cfg.model.dtype in ("float32", "bfloat16", "float16"), f"model.dtype={cfg.model.dtype!r} must be float32, bfloat16 or float16")
     _require(t.resume in ("auto", "disable") or os.path.isdir(t.resume),
              f"trainer.resume={t.resume!r} must be 'auto', 'disable' or an existing checkpoint directory")
+    _require(cfg.placement.strategy in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
+             f"placement.strategy={cfg.placement.strategy!r} must be PACK, SPREAD, STRICT_PACK or STRICT_SPREAD")
     _require(set(t.logger) <= {"console", "tensorboard", "wandb"}, f"trainer.logger={t.logger} may only hold console, tensorboard, wandb")
     _require(cfg.data.max_prompt_length + r.max_response_length <= e.max_model_len,
              f"data.max_prompt_length ({cfg.data.max_prompt_length}) + rollout.max_response_length "

@@ -1,4 +1,5 @@
-"""Step metrics to the console (progress bar + one line per step), metrics.jsonl, tensorboard and wandb."""
+"""Step metrics to the console (progress bar + one line per step), metrics.jsonl, tensorboard and wandb, and
+live gauges to the Ray Dashboard (ray.util.metrics -> each node's Prometheus endpoint, as `ray_rayrl_*`)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,36 @@ CONSOLE_KEYS = [("reward/mean", "reward {:.3f}"), ("reward/std", "±{:.3f}"), ("
                 ("trajectories/failed", "failed {:.0f}"), ("actor/loss", "loss {:+.4f}"),
                 ("actor/grad_norm", "gnorm {:.3f}"), ("sync/seconds", "sync {:.2f}s"), ("policy/version", "v{:.0f}")]
 
+# Dashboard gauge -> (the step-metrics key it shows, its help). Tagged with the run's experiment name.
+DASHBOARD = {
+    "rayrl_reward_mean": ("reward/mean", "mean reward of the last step's successful trajectories"),
+    "rayrl_step_seconds": ("time/step_s", "seconds the last training step took"),
+    "rayrl_rollout_tokens_per_s": ("rollout/tokens_per_s", "generated tokens per second of the last step's rollout"),
+    "rayrl_failed_trajectories": ("trajectories/failed", "failed trajectories in the last step"),
+    "rayrl_sandbox_latency_seconds": ("sandbox/latency_s", "mean sandbox run seconds in the last step (0: none ran)"),
+    "rayrl_weight_sync_seconds": ("sync/seconds", "seconds the last learner -> engines weight sync took"),
+    "rayrl_policy_version": ("policy/version", "the engines' policy version"),
+    "rayrl_staleness": ("policy/staleness_max", "most policy versions a trajectory of the last step lagged behind"),
+    "rayrl_queue_depth": ("queue/pending", "tasks waiting in the TaskQueue"),
+    "rayrl_leases_in_flight": ("queue/leased", "tasks leased by rollout workers, not yet acked"),
+}
+_gauges: dict = {}
+
+
+def dashboard(m: dict[str, float], run: str) -> None:
+    """Set the Dashboard gauges that `m` has values for (a no-op outside Ray)."""
+    import ray
+
+    if not ray.is_initialized():
+        return
+    if not _gauges:
+        from ray.util.metrics import Gauge
+
+        _gauges.update({name: Gauge(name, description=help_, tag_keys=("run",)) for name, (_, help_) in DASHBOARD.items()})
+    for name, (key, _) in DASHBOARD.items():
+        if key in m and m[key] is not None:
+            _gauges[name].set(float(m[key]), tags={"run": run})
+
 
 class StepLogger:
     def __init__(self, output_dir: str, loggers: list[str], total_steps: int, start_step: int, run_config: dict,
@@ -23,6 +54,7 @@ class StepLogger:
         self.console = "console" in loggers
         self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", file=sys.stdout,
                         disable=not self.console, dynamic_ncols=True)
+        self.name = name
         self.tb = self.wandb = None
         if "tensorboard" in loggers:
             try:
@@ -43,6 +75,7 @@ class StepLogger:
     def log(self, step: int, m: dict[str, float]) -> None:
         self.jsonl.write(json.dumps({"step": step, **m}) + "\n")
         self.jsonl.flush()
+        dashboard(m, self.name)
         if self.tb is not None:
             for k, v in m.items():
                 self.tb.add_scalar(k, v, step)

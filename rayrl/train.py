@@ -15,16 +15,17 @@ checkpoint. How it departs from textbook GRPO:
 from __future__ import annotations
 
 import random
+import signal
 import sys
 import time
 
 import ray
 
-from rayrl import checkpoint, cluster
+from rayrl import checkpoint, cluster, trace
 from rayrl.batching import advantages, shard, trainable_groups
 from rayrl.config import Config, ConfigError, check_cluster, load_config
 from rayrl.data import DataIterator, load_rows
-from rayrl.metrics import StepLogger, summarize
+from rayrl.metrics import StepLogger, dashboard, summarize
 from rayrl.models import resolve_model
 from rayrl.types import Task, Trajectory
 
@@ -39,39 +40,46 @@ def train(cfg: Config) -> dict:
     data = DataIterator(load_rows(d.source, d.size, t.seed, d.gym_kwargs, d.system_prompt), t.batch_size, t.seed, d.shuffle)
     val_rows = load_rows(d.val_source, d.val_size, t.seed + 1, d.gym_kwargs, d.system_prompt) if d.val_source else []
     actors, log, summary = None, None, {}
+    if t.trace:
+        trace.start(t.output_dir)
     try:
-        actors = cluster.start(cfg, model_path)
-        step, version = resume(cfg, actors, data)
+        with trace.span("start actors"):
+            actors = cluster.start(cfg, model_path)
+            step, version = resume(cfg, actors, data)
         log = StepLogger(t.output_dir, t.logger, t.total_steps, step, cfg.to_dict(), t.experiment_name)
         feeder = Feeder(cfg, actors.queue, data, start=step)
         if val_rows and t.val_before_train and step == 0:
             log.log(0, validate(cfg, actors, model_path, val_rows, version))
         while step < t.total_steps:
-            t0 = time.perf_counter()
-            feeder.fill(until=min(step + cfg.algo.max_staleness, t.total_steps - 1), version=version)
-            trajs = collect(cfg, actors, model_path, feeder.expected.pop(step), step, feeder.early)
-            t_rollout = time.perf_counter() - t0
-            groups, dropped = trainable_groups(trajs)
-            learn = update(cfg, actors.learners, groups)
-            version, step = version + 1, step + 1
-            sync_s = sync_weights(cfg, actors, version)  # <- the engines serve the new policy from here on
-            m = step_metrics(trajs, groups, dropped, learn, t_rollout, sync_s, version, time.perf_counter() - t0)
-            if val_rows and t.test_freq and step % t.test_freq == 0:
-                m.update(validate(cfg, actors, model_path, val_rows, version))
-            if (t.save_freq and step % t.save_freq == 0) or step == t.total_steps:
-                summary["checkpoint"] = save(cfg, actors, step, version, feeder.state_before(step))
-            log.log(step, m)
-            summary.update(step=step, metrics=m)
+            with trace.step(step + 1):  # one span in the trace holding this step's phases and trajectories
+                t0 = time.perf_counter()
+                with trace.span("rollout"):
+                    feeder.fill(until=min(step + cfg.algo.max_staleness, t.total_steps - 1), version=version)
+                    trajs = collect(cfg, actors, model_path, feeder.expected.pop(step), step, feeder.early)
+                trace.trajectories(trajs)
+                t_rollout = time.perf_counter() - t0
+                groups, dropped = trainable_groups(trajs)
+                learn = update(cfg, actors.learners, groups)
+                version, step = version + 1, step + 1
+                sync_s = sync_weights(cfg, actors, version)  # <- the engines serve the new policy from here on
+                m = step_metrics(trajs, groups, dropped, learn, t_rollout, sync_s, version, time.perf_counter() - t0)
+                if val_rows and t.test_freq and step % t.test_freq == 0:
+                    m.update(validate(cfg, actors, model_path, val_rows, version))
+                if (t.save_freq and step % t.save_freq == 0) or step == t.total_steps:
+                    summary["checkpoint"] = save(cfg, actors, step, version, feeder.state_before(step))
+                log.log(step, m)
+                summary.update(step=step, metrics=m)
         if t.export_hf:
             hf_dir = f"{t.output_dir}/hf"
             ray.get([ln.export_hf.remote(hf_dir) for ln in actors.learners], timeout=cfg.learner.timeout)
             summary["hf"] = hf_dir
         log.info(f"done: {summary.get('step', step)} steps. checkpoint: {summary.get('checkpoint', '-')}  "
-                 f"Hugging Face model: {summary.get('hf', '-')}")
+                 f"Hugging Face model: {summary.get('hf', '-')}" + (f"  trace: {t.output_dir}/trace.json" if t.trace else ""))
     finally:
         if log is not None:
             log.close()
         cluster.shutdown(actors)
+        summary["trace"] = trace.close()
     return summary
 
 
@@ -111,8 +119,11 @@ def collect(cfg: Config, actors, model_path: str, expected: set[str], step: int,
         if time.monotonic() > deadline:
             raise TimeoutError(f"step {step}: {len(got)} of {len(expected)} trajectories after "
                                f"trainer.collect_timeout={cfg.trainer.collect_timeout}s")
-        for tr in ray.get(actors.queue.get_results.remote(len(expected), 2.0, len(expected) - len(got)), timeout=60):
-            # keyed by task id: a trajectory can never count twice
+        batch = ray.get(actors.queue.get_results.remote(len(expected), 2.0, len(expected) - len(got)), timeout=60)
+        trace.received(batch)
+        dashboard({f"queue/{k}": v for k, v in ray.get(actors.queue.stats.remote(), timeout=60).items()},
+                  cfg.trainer.experiment_name)
+        for tr in batch:  # keyed by task id: a trajectory can never count twice
             (got if tr.step == step else early.setdefault(tr.step, {}))[tr.task_id] = tr
         for wid in cluster.restart_dead_workers(actors, cfg, model_path):
             print(f"rayrl: rollout worker {wid} died; its leases were re-queued and it was replaced", file=sys.stderr)
@@ -128,13 +139,15 @@ def update(cfg: Config, learners: list, groups: list[list[Trajectory]]) -> dict[
     shards = [shard(mb, advantages(mb, cfg.algo.norm_adv_by_std_in_grpo), len(learners)) for mb in minibatches]
     timeout = cfg.learner.timeout
     on_policy = len(minibatches) == 1 and cfg.learner.ppo_epochs == 1 and cfg.algo.max_staleness == 0
-    olds = None if on_policy else [ray.get([ln.compute_logprobs.remote(s) for ln, s in zip(learners, sh)], timeout=timeout)
-                                   for sh in shards]
+    with trace.span("learner/compute_logprobs"):
+        olds = None if on_policy else [ray.get([ln.compute_logprobs.remote(s) for ln, s in zip(learners, sh)],
+                                               timeout=timeout) for sh in shards]
     stats = []
-    for _ in range(cfg.learner.ppo_epochs):
+    for epoch in range(cfg.learner.ppo_epochs):
         for j, sh in enumerate(shards):
-            stats.append(ray.get([ln.train_step.remote(s, None if olds is None else olds[j][r])
-                                  for r, (ln, s) in enumerate(zip(learners, sh))], timeout=timeout))
+            with trace.span("learner/train_step", epoch=epoch, minibatch=j):  # forward + backward + optimizer step
+                stats.append(ray.get([ln.train_step.remote(s, None if olds is None else olds[j][r])
+                                      for r, (ln, s) in enumerate(zip(learners, sh))], timeout=timeout))
     last = stats[-1]
     return {"actor/loss": sum(s.loss for s in last), "actor/pg_clipfrac": sum(s.pg_clipfrac for s in last),
             "actor/ppo_kl": sum(s.ppo_kl for s in last), "actor/grad_norm": last[0].grad_norm,
@@ -144,9 +157,10 @@ def update(cfg: Config, learners: list, groups: list[list[Trajectory]]) -> dict[
 def sync_weights(cfg: Config, actors, version: int) -> float:
     """Learner rank 0's full state dict -> object store -> every engine. Returns the slowest engine's seconds."""
     t0 = time.perf_counter()
-    refs = [ln.weights.remote(version) for ln in actors.learners]  # a collective: every rank takes part
-    ray.get(refs[1:], timeout=cfg.engine.sync_timeout)
-    ray.get([e.update_weights.remote(refs[0]) for e in actors.engines], timeout=cfg.engine.sync_timeout)
+    with trace.span("weight_sync", version=version):
+        refs = [ln.weights.remote(version) for ln in actors.learners]  # a collective: every rank takes part
+        ray.get(refs[1:], timeout=cfg.engine.sync_timeout)
+        ray.get([e.update_weights.remote(refs[0]) for e in actors.engines], timeout=cfg.engine.sync_timeout)
     return time.perf_counter() - t0
 
 
@@ -167,7 +181,8 @@ def resume(cfg: Config, actors, data: DataIterator) -> tuple[int, int]:
 
 def save(cfg: Config, actors, step: int, version: int, data_state: dict) -> str:
     tmp = checkpoint.begin(cfg.trainer.output_dir, step)
-    ray.get([ln.save.remote(tmp) for ln in actors.learners], timeout=cfg.learner.timeout)
+    with trace.span("checkpoint", step=step):
+        ray.get([ln.save.remote(tmp) for ln in actors.learners], timeout=cfg.learner.timeout)
     return checkpoint.commit(tmp, step, {"step": step, "policy_version": version, "data": data_state,
                                          "python_rng": random.getstate()})
 
@@ -178,8 +193,10 @@ def validate(cfg: Config, actors, model_path: str, rows: list, version: int) -> 
     tasks = [Task(task_id=f"val{version}/p{i}/0", group_id=f"val{version}/p{i}", step=vstep, messages=r.messages,
                   ground_truth=r.ground_truth, data_source=r.data_source, extra_info=r.extra_info, policy_version=version)
              for i, r in enumerate(rows)]
-    ray.get(actors.queue.put.remote(tasks), timeout=60)
-    trajs = collect(cfg, actors, model_path, {t.task_id for t in tasks}, vstep, {})
+    with trace.span("validate", version=version):
+        ray.get(actors.queue.put.remote(tasks), timeout=60)
+        trajs = collect(cfg, actors, model_path, {t.task_id for t in tasks}, vstep, {})
+    trace.trajectories(trajs)
     return {"val/reward_mean": sum(t.reward or 0.0 for t in trajs if t.ok) / len(trajs),
             "val/failed": sum(not t.ok for t in trajs)}
 
@@ -190,12 +207,14 @@ def step_metrics(trajs: list[Trajectory], groups, dropped: int, learn: dict, t_r
     rmean, rstd = summarize([t.reward for t in ok])
     lmean, _ = summarize([sum(t.loss_mask) for t in ok])
     gen_tokens = sum(sum(t.loss_mask) for t in trajs)
+    sandbox = [e["end"] - e["start"] for t in trajs for e in t.events if e.get("name", "").startswith("sandbox")]
     return {"reward/mean": rmean, "reward/std": rstd, "response/length_mean": lmean,
             "rollout/tokens_per_s": gen_tokens / max(t_rollout, 1e-9), "time/rollout_s": t_rollout,
             "time/step_s": step_s, "sync/seconds": sync_s, "policy/version": version,
             "trajectories/total": len(trajs), "trajectories/failed": len(trajs) - len(ok),
             "groups/trained": len(groups), "groups/dropped": dropped,
-            "policy/staleness_max": max((version - 1 - t.policy_version for t in trajs), default=0), **learn}
+            "policy/staleness_max": max((version - 1 - t.policy_version for t in trajs), default=0),
+            "sandbox/latency_s": sum(sandbox) / len(sandbox) if sandbox else 0.0, **learn}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -206,11 +225,16 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"rayrl: config error: {e}", file=sys.stderr)
         return 2
+    # `ray job stop` sends SIGTERM: unwind like Ctrl-C, so `finally` stops the actors and writes the trace.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         train(cfg)
     except ConfigError as e:  # cluster-dependent checks (GPUs) fail after connecting
         print(f"rayrl: config error: {e}", file=sys.stderr)
         return 2
+    except ConnectionError as e:
+        print(f"rayrl: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -33,6 +33,7 @@ def tiny_overrides(model: str, out: str, **extra) -> list[str]:
             "rollout.max_response_length": 24, "engine.kv_cache_gb": 1, "engine.max_model_len": 512,
             "data.size": 200, "data.max_prompt_length": 128, "learner.lr": 1e-3, "trainer.total_steps": 2,
             # the random model never solves arithmetic: a reward its samples differ on gives GRPO real gradients
-            "reward.fn": "tests.helpers_rewards:digit_count", "rollout.temperature": 1.0}
+            "reward.fn": "tests.helpers_rewards:digit_count", "rollout.temperature": 1.0,
+            "gateway.port": 0}  # any free port: tests may run next to a job holding 8001
     base.update(extra)
     return [f"{k}={v}" for k, v in base.items()]

@@ -28,6 +28,7 @@ class Sampling:
     temperature: float = 1.0
     top_p: float = 1.0
     stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False  # sample exactly max_tokens (benchmarks, tests)
 
 
 class Engine:
@@ -65,12 +66,18 @@ class Engine:
         self.version = packet.version
         return time.perf_counter() - t0
 
+    async def abort(self, request_id: str) -> None:
+        """Stop a request (its client went away); its generate() returns what was sampled so far."""
+        if self._backend is not None:
+            await self._backend.abort(request_id)
+
     def load(self) -> int:
         """Requests in flight, for least-loaded routing."""
         return self.inflight
 
     def stats(self) -> dict[str, float]:
-        return {"inflight": self.inflight, "tokens_out": self.tokens_out, "version": self.version}
+        return {"inflight": self.inflight, "tokens_out": self.tokens_out, "version": self.version,
+                "backend_unfinished": self._backend.unfinished() if self._backend is not None else 0}
 
     def ready(self) -> bool:
         return self._backend is not None
@@ -109,14 +116,23 @@ class _VLLM:
 
         # No per-request seed: on CPU it kills the engine ("CPU Generator does not use offset").
         params = SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, logprobs=0,
-                                stop_token_ids=s.stop_token_ids, skip_special_tokens=False)
+                                stop_token_ids=s.stop_token_ids, skip_special_tokens=False, ignore_eos=s.ignore_eos)
         final = None
         async for out in self.llm.generate({"prompt_token_ids": list(prompt_ids)}, params, request_id):
             final = out
+        if final is None or not final.outputs:  # aborted before the first token
+            return [], [], "abort"
         c = final.outputs[0]
         ids = list(c.token_ids)
-        lps = [lp[t].logprob for lp, t in zip(c.logprobs, ids)]
+        lps = [lp[t].logprob for lp, t in zip(c.logprobs or [], ids)]
         return ids, lps, c.finish_reason or "stop"
+
+    async def abort(self, request_id: str) -> None:
+        await self.llm.abort(request_id)
+
+    def unfinished(self) -> int:
+        """Requests vLLM still holds (a request whose client left must not stay here)."""
+        return self.llm.output_processor.get_num_unfinished_requests()
 
     async def load(self, state) -> None:
         from safetensors.torch import save_file
@@ -156,6 +172,7 @@ class _HF:
         eos = list(s.stop_token_ids or []) + [self.model.config.eos_token_id]
         with torch.no_grad():
             out = self.model.generate(torch.tensor([prompt_ids], device=self.device), max_new_tokens=s.max_tokens,
+                                      min_new_tokens=s.max_tokens if s.ignore_eos else None,
                                       do_sample=s.temperature > 0, temperature=s.temperature or None, top_p=s.top_p,
                                       eos_token_id=eos, pad_token_id=self.model.config.pad_token_id,
                                       output_logits=True, return_dict_in_generate=True)
@@ -172,6 +189,12 @@ class _HF:
     async def load(self, state) -> None:
         async with self.lock:
             self.model.load_state_dict(state, strict=True)
+
+    async def abort(self, request_id: str) -> None:
+        pass  # one request at a time in a thread: it runs to its end (max_tokens bounds it)
+
+    def unfinished(self) -> int:
+        return 1 if self.lock.locked() else 0
 
     def shutdown(self) -> None:
         self.model = None

@@ -1,8 +1,9 @@
 """RolloutWorker: leases tasks, runs many agent episodes at once (asyncio), emits Trajectories.
 
-Each episode: lease -> agent(ctx, config) with a session-bound chat client -> reward (the agent's, or
-the RewardActor's) -> ack with the Trajectory. Anything that raises or times out becomes a failed
-Trajectory carrying the exception text; the worker goes on.
+Each episode: lease -> open a Gateway session -> agent(ctx, config) with `ctx.llm` an AsyncOpenAI client
+bound to that session -> close the session (its record holds the exact token ids, logprobs and loss mask)
+-> reward (the agent's, or the RewardActor's) -> ack with the Trajectory. Anything that raises or times
+out becomes a failed Trajectory carrying the exception text; the worker goes on.
 """
 
 from __future__ import annotations
@@ -11,10 +12,11 @@ import asyncio
 import time
 import traceback
 
+import httpx
 import ray
 
-from rayrl.actors.engine import Sampling
-from rayrl.agent import ChatClient, Session, TaskContext
+from rayrl.actors.gateway import SessionRecord
+from rayrl.agent import TaskContext, session_client
 from rayrl.config import Config, check_callable
 from rayrl.types import Task, Trajectory
 
@@ -22,13 +24,10 @@ from rayrl.types import Task, Trajectory
 class RolloutWorker:
     """Plain class; `RolloutActor` below is the Ray actor."""
 
-    def __init__(self, worker_id: str, cfg: Config, model_path: str, queue, engines: list, reward):
-        from transformers import AutoTokenizer
-
-        self.worker_id, self.cfg, self.queue, self.engines, self.reward = worker_id, cfg, queue, engines, reward
-        self.tok = AutoTokenizer.from_pretrained(model_path)
+    def __init__(self, worker_id: str, cfg: Config, model_path: str, queue, gateway, reward):
+        self.worker_id, self.cfg, self.queue, self.gateway, self.reward = worker_id, cfg, queue, gateway, reward
         self.agent_fn = check_callable(cfg.rollout.agent, "rollout.agent")
-        self.load = [0] * len(engines)  # this worker's requests in flight per engine (least-loaded routing)
+        self._http, self._http_loop = None, None
         self.running = False
         self.done = 0
         self.failed = 0
@@ -68,38 +67,55 @@ class RolloutWorker:
     async def run_task(self, task: Task) -> Trajectory:
         """One episode, never raising: failures come back as a Trajectory with `error` set."""
         t0 = time.perf_counter()
-        session = Session()
-        idx = min(range(len(self.engines)), key=lambda i: self.load[i])  # sticky: every turn goes to this engine
-        engine = self.engines[idx]
-
-        async def generate(prompt_ids: list[int], sampling: Sampling):
-            self.load[idx] += 1
-            try:
-                return await engine.generate.remote(prompt_ids, sampling, f"{task.task_id}/{session.num_turns}")
-            finally:
-                self.load[idx] -= 1
-
         r = self.cfg.rollout
-        llm = ChatClient(generate, self.tok, session, {"temperature": r.temperature, "top_p": r.top_p},
-                         budget=r.max_response_length, max_prompt=self.cfg.data.max_prompt_length)
-        ctx = TaskContext(task=task, llm=llm, run_config=self.cfg)
+        last_user = next((m.get("content") for m in reversed(task.messages) if m.get("role") == "user"), None)
+        try:
+            sid, key, base_url = await asyncio.wait_for(self.gateway.open_session.remote(
+                task.task_id, budget=r.max_response_length, max_prompt=self.cfg.data.max_prompt_length,
+                match=last_user if isinstance(last_user, str) and last_user else None), 60)
+        except Exception as e:  # noqa: BLE001 - the gateway died or hung: a failed trajectory, the lease is acked
+            return self._trajectory(task, SessionRecord("", task.task_id), t0=t0, error=f"gateway: {_describe(e)}")
+        llm = session_client(base_url, key, self.cfg.gateway.model_name, self.cfg.gateway.request_timeout, self._client())
+        ctx = TaskContext(task=task, llm=llm, run_config=self.cfg, session_id=sid, base_url=base_url, api_key=key)
+        out, error = None, None
         try:
             out = await asyncio.wait_for(self.agent_fn(ctx, r.agent_config), r.agent_timeout)
             if not isinstance(out, dict):
                 raise TypeError(f"the agent returned {type(out).__name__}, expected a dict with reward/answer/metadata")
         except asyncio.TimeoutError:
-            return self._trajectory(task, session, error=f"agent timed out after {r.agent_timeout}s", t0=t0)
+            error = f"agent timed out after {r.agent_timeout}s"
         except Exception as e:  # noqa: BLE001 - any agent failure is an outcome, not a crash
-            return self._trajectory(task, session, error=_describe(e), t0=t0)
+            error = _describe(e)
+        try:
+            rec: SessionRecord = await asyncio.wait_for(self.gateway.close_session.remote(sid), 60)
+        except Exception as e:  # noqa: BLE001
+            return self._trajectory(task, SessionRecord(sid, task.task_id), t0=t0, error=f"gateway: {_describe(e)}")
+        if error is not None:
+            return self._trajectory(task, rec, error=error, t0=t0)
         t_agent = time.perf_counter()
         reward, error = out.get("reward"), None
-        if session.num_turns == 0:
+        if rec.num_turns == 0:
             error = "the agent made no LLM call: nothing to train on"
         elif reward is None:
             reward, error = await self._score(task, out.get("answer"))
-        return self._trajectory(task, session, reward=reward, error=error, answer=out.get("answer"),
-                                metadata=out.get("metadata") or {}, t0=t0,
+        metadata = dict(out.get("metadata") or {})
+        if rec.parse_errors:
+            metadata.setdefault("tool_parse_errors", rec.parse_errors)
+        return self._trajectory(task, rec, reward=reward, error=error, answer=out.get("answer"),
+                                metadata=metadata, t0=t0,
                                 timings={"agent": t_agent - t0, "reward": time.perf_counter() - t_agent})
+
+    def _client(self):
+        """One HTTP connection pool per worker (per event loop), shared by its episodes' clients."""
+        loop = asyncio.get_running_loop()
+        if self._http is None or self._http_loop is not loop:
+            g = self.cfg.gateway
+            transport = None if g.enabled else RayTransport(self.gateway)
+            self._http = httpx.AsyncClient(transport=transport, timeout=g.request_timeout,
+                                           limits=httpx.Limits(max_connections=None, max_keepalive_connections=
+                                                               2 * self.cfg.rollout.concurrency))
+            self._http_loop = loop
+        return self._http
 
     async def _score(self, task: Task, answer) -> tuple[float | None, str | None]:
         from rayrl.actors.reward import RewardRequest
@@ -112,16 +128,20 @@ class RolloutWorker:
             return None, f"reward actor: {_describe(e)}"
         return res.score, res.error
 
-    def _trajectory(self, task: Task, s: Session, t0: float, error: str | None = None, reward=None, answer=None,
+    def _trajectory(self, task: Task, s: SessionRecord, t0: float, error: str | None = None, reward=None, answer=None,
                     metadata=None, timings=None) -> Trajectory:
         timings = dict(timings or {})
         timings["total"] = time.perf_counter() - t0
+        # one trace span per engine call (rayrl.trace), from the Gateway's record
+        events = [{"name": "llm", "start": t.start, "end": t.end,
+                   "args": {"completion_tokens": len(t.token_ids), "env_tokens": t.env_len, "tool_calls": t.tool_calls}}
+                  for t in s.turns]
         return Trajectory(task_id=task.task_id, group_id=task.group_id, step=task.step, data_source=task.data_source,
                           prompt_ids=s.prompt_ids, response_ids=s.response_ids, loss_mask=s.loss_mask,
                           logprobs=s.logprobs, reward=None if reward is None else float(reward), answer=answer,
                           metadata=metadata or {}, finish_reason=s.finish_reason, num_turns=s.num_turns,
                           policy_version=task.policy_version if s.policy_version is None else s.policy_version,
-                          timings=timings, error=error, worker=self.worker_id)
+                          timings=timings, error=error, worker=self.worker_id, events=events)
 
 
 def _describe(e: BaseException) -> str:
@@ -129,6 +149,22 @@ def _describe(e: BaseException) -> str:
         e = e.cause if e.cause is not None else e
     text = f"{type(e).__name__}: {e}".strip()
     return text.splitlines()[0][:500] if text else traceback.format_exception_only(e)[-1].strip()
+
+
+class RayTransport(httpx.AsyncBaseTransport):
+    """httpx transport to the Gateway actor through Ray calls instead of TCP (gateway.enabled=false)."""
+
+    def __init__(self, gateway):
+        self.gateway = gateway
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        body = await request.aread()
+        status, headers, content = await self.gateway.request.remote(request.method, request.url.raw_path.decode(),
+                                                                       dict(request.headers), body)
+        return httpx.Response(status, headers=headers, content=content, request=request)
+
+    async def aclose(self) -> None:
+        pass
 
 
 RolloutActor = ray.remote(RolloutWorker)
