@@ -15,6 +15,7 @@ checkpoint. How it departs from textbook GRPO:
 from __future__ import annotations
 
 import random
+from collections import Counter
 import signal
 import sys
 import time
@@ -57,6 +58,7 @@ def train(cfg: Config) -> dict:
                     feeder.fill(until=min(step + cfg.algo.max_staleness, t.total_steps - 1), version=version)
                     trajs = collect(cfg, actors, model_path, feeder.expected.pop(step), step, feeder.early)
                 trace.trajectories(trajs)
+                check_failures(trajs, step + 1, log)
                 t_rollout = time.perf_counter() - t0
                 groups, dropped = trainable_groups(trajs)
                 learn = update(cfg, actors.learners, groups)
@@ -199,6 +201,18 @@ def validate(cfg: Config, actors, model_path: str, rows: list, version: int) -> 
     trace.trajectories(trajs)
     return {"val/reward_mean": sum(t.reward or 0.0 for t in trajs if t.ok) / len(trajs),
             "val/failed": sum(not t.ok for t in trajs)}
+
+
+def check_failures(trajs: list[Trajectory], step: int, log: StepLogger) -> None:
+    """Say why trajectories failed; stop the run when every one of a step did (a broken agent, reward or gateway
+    would otherwise train on nothing for every remaining step)."""
+    errors = Counter(t.error for t in trajs if t.error)
+    if not errors:
+        return
+    top, n = errors.most_common(1)[0]
+    if sum(errors.values()) == len(trajs):
+        raise RuntimeError(f"step {step}: all {len(trajs)} trajectories failed; most common error ({n}x): {top}")
+    log.info(f"step {step}: {sum(errors.values())} of {len(trajs)} trajectories failed; most common ({n}x): {top}")
 
 
 def step_metrics(trajs: list[Trajectory], groups, dropped: int, learn: dict, t_rollout: float, sync_s: float,
