@@ -113,10 +113,14 @@ class _VLLM:
 
     async def generate(self, prompt_ids, s: Sampling, request_id):
         from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
 
         # No per-request seed: on CPU it kills the engine ("CPU Generator does not use offset").
+        # FINAL_ONLY + no detokenization: callers use the final token ids only (the gateway decodes them itself);
+        # per-token outputs and text cost host time that LLM.generate does not spend.
         params = SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, logprobs=0,
-                                stop_token_ids=s.stop_token_ids, skip_special_tokens=False, ignore_eos=s.ignore_eos)
+                                stop_token_ids=s.stop_token_ids, skip_special_tokens=False, ignore_eos=s.ignore_eos,
+                                output_kind=RequestOutputKind.FINAL_ONLY, detokenize=False)
         final = None
         async for out in self.llm.generate({"prompt_token_ids": list(prompt_ids)}, params, request_id):
             final = out
