@@ -126,6 +126,7 @@ class TrainerConfig:
     export_hf: bool = True  # write the final policy as a Hugging Face folder
     test_freq: int = 0  # validate every k steps (0 = never)
     val_before_train: bool = False
+    val_n: int = 1  # samples per validation prompt (mean@n, pass@n, maj@n per data source)
     logger: list[str] = field(default_factory=lambda: ["console"])
     experiment_name: str = "quickstart"
     ray_address: str | None = None  # None: join RAY_ADDRESS / a running cluster, or start a local one
@@ -263,7 +264,8 @@ def validate(cfg: Config, check_files: bool = True) -> None:
                         ("rollout.max_response_length", r.max_response_length), ("engine.num_engines", e.num_engines),
                         ("learner.num_workers", lr.num_workers), ("learner.micro_batch_size", lr.micro_batch_size),
                         ("learner.ppo_epochs", lr.ppo_epochs), ("reward.num_procs", cfg.reward.num_procs),
-                        ("data.max_prompt_length", cfg.data.max_prompt_length)]:
+                        ("data.max_prompt_length", cfg.data.max_prompt_length),
+                        ("trainer.val_n", t.val_n)]:
         _require(value >= 1, f"{name} must be >= 1, got {value}")
     _require(t.save_freq >= 0, f"trainer.save_freq must be >= 0, got {t.save_freq}")
     _require(a.max_staleness >= 0, f"algo.max_staleness must be >= 0, got {a.max_staleness}")

@@ -109,3 +109,41 @@ def summarize(values: list[float]) -> tuple[float, float]:
 
 def dump(m: dict[str, Any]) -> str:
     return json.dumps(m, indent=1, default=str)
+
+
+def val_metrics(trajs: list) -> dict[str, float]:
+    """Validation scores per data source, as verl reports them: mean@n (mean reward, a failed sample counts 0),
+    pass@n (verl's best@n: the best reward among a prompt's n samples), maj@n (the reward of the prompt's most
+    common extracted answer), averaged over prompts; plus the number of failed samples."""
+    from collections import Counter, defaultdict
+
+    from rayrl.rewards import extract_answer
+
+    by_source: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
+    for t in trajs:
+        by_source[t.data_source][t.group_id].append(t)
+    out: dict[str, float] = {"val/failed": float(sum(not t.ok for t in trajs))}
+    for source, groups in sorted(by_source.items()):
+        n = max(len(g) for g in groups.values())
+        means, bests, majs = [], [], []
+        for g in groups.values():
+            rewards = [t.reward if t.ok else 0.0 for t in g]
+            means.append(sum(rewards) / len(rewards))
+            bests.append(max(rewards))
+            votes = [(extract_answer(str(t.answer)) or str(t.answer), r) for t, r in zip(g, rewards) if t.ok]
+            top = Counter(a for a, _ in votes).most_common(1)
+            majs.append(next(r for a, r in votes if a == top[0][0]) if top else 0.0)
+        for name, vals in (("mean", means), ("pass", bests), ("maj", majs)):
+            out[f"val/{source}/{name}@{n}"] = sum(vals) / len(vals)
+    out["val/reward_mean"] = sum(t.reward if t.ok else 0.0 for t in trajs) / max(len(trajs), 1)
+    return out
+
+
+def tool_metrics(trajs: list) -> dict[str, float]:
+    """Tool calls per trajectory and the sandbox error rate, from what tool-using agents put in their metadata."""
+    tooled = [t.metadata for t in trajs if "tool_calls" in (t.metadata or {})]
+    if not tooled:
+        return {}
+    calls = sum(m["tool_calls"] for m in tooled)
+    return {"tools/calls_mean": calls / len(tooled),
+            "sandbox/error_rate": sum(m.get("sandbox_errors", 0) for m in tooled) / max(calls, 1)}

@@ -190,17 +190,16 @@ def save(cfg: Config, actors, step: int, version: int, data_state: dict) -> str:
 
 
 def validate(cfg: Config, actors, model_path: str, rows: list, version: int) -> dict[str, float]:
-    """Mean reward of one sample per validation prompt with the current policy (failures count as 0)."""
+    """`trainer.val_n` samples per validation prompt with the current policy -> mean@n, pass@n, maj@n per data source."""
     vstep = -1 - version  # negative steps never collide with training steps in the queue
-    tasks = [Task(task_id=f"val{version}/p{i}/0", group_id=f"val{version}/p{i}", step=vstep, messages=r.messages,
+    tasks = [Task(task_id=f"val{version}/p{i}/{k}", group_id=f"val{version}/p{i}", step=vstep, messages=r.messages,
                   ground_truth=r.ground_truth, data_source=r.data_source, extra_info=r.extra_info, policy_version=version)
-             for i, r in enumerate(rows)]
+             for i, r in enumerate(rows) for k in range(cfg.trainer.val_n)]
     with trace.span("validate", version=version):
         ray.get(actors.queue.put.remote(tasks), timeout=60)
         trajs = collect(cfg, actors, model_path, {t.task_id for t in tasks}, vstep, {})
     trace.trajectories(trajs)
-    return {"val/reward_mean": sum(t.reward or 0.0 for t in trajs if t.ok) / len(trajs),
-            "val/failed": sum(not t.ok for t in trajs)}
+    return val_metrics(trajs)
 
 
 def check_failures(trajs: list[Trajectory], step: int, log: StepLogger) -> None:
@@ -228,7 +227,7 @@ def step_metrics(trajs: list[Trajectory], groups, dropped: int, learn: dict, t_r
             "trajectories/total": len(trajs), "trajectories/failed": len(trajs) - len(ok),
             "groups/trained": len(groups), "groups/dropped": dropped,
             "policy/staleness_max": max((version - 1 - t.policy_version for t in trajs), default=0),
-            "sandbox/latency_s": sum(sandbox) / len(sandbox) if sandbox else 0.0, **learn}
+            "sandbox/latency_s": sum(sandbox) / len(sandbox) if sandbox else 0.0, **tool_metrics(trajs), **learn}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -53,3 +53,31 @@ def test_all_failed_step_stops_the_run():
     assert log.lines == ["step 3: 1 of 2 trajectories failed; most common (1x): KeyError: 'x'"]
     with pytest.raises(RuntimeError, match=r"step 4: all 2 trajectories failed; most common error \(2x\): boom"):
         check_failures([traj("a", 0, error="boom"), traj("a", 1, error="boom")], 4, log)
+
+
+def test_validation_metrics_per_source():
+    from rayrl.metrics import val_metrics
+
+    def v(group, k, reward, answer, source="rg/a", error=None):
+        t = traj(group, k, reward, error)
+        t.data_source, t.answer = source, answer
+        return t
+
+    trajs = [v("p0", 0, 1.0, "x <answer>7</answer>"), v("p0", 1, 0.0, "<answer>5</answer>"),
+             v("p0", 2, 1.0, "so 7"),  # prompt 0: mean 2/3, best 1, majority answer 7 (twice) -> 1
+             v("p1", 0, 0.0, "3"), v("p1", 1, 0.0, "3"), v("p1", 2, None, None, error="boom"),  # mean 0, best 0, maj 0
+             v("q0", 0, 1.0, "1", source="rg/b")]
+    m = val_metrics(trajs)
+    assert m["val/rg/a/mean@3"] == pytest.approx((2 / 3 + 0) / 2)
+    assert m["val/rg/a/pass@3"] == pytest.approx(0.5) and m["val/rg/a/maj@3"] == pytest.approx(0.5)
+    assert m["val/rg/b/mean@1"] == 1.0 and m["val/failed"] == 1.0
+    assert m["val/reward_mean"] == pytest.approx(3 / 7)
+
+
+def test_tool_metrics():
+    from rayrl.metrics import tool_metrics
+
+    a, b = traj("a", 0), traj("a", 1)
+    a.metadata, b.metadata = {"tool_calls": 3, "sandbox_errors": 1}, {"tool_calls": 1, "sandbox_errors": 0}
+    assert tool_metrics([a, b]) == {"tools/calls_mean": 2.0, "sandbox/error_rate": 0.25}
+    assert tool_metrics([traj("c", 0)]) == {}
