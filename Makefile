@@ -8,6 +8,7 @@ train: install
 	rayrl train
 
 test: install
+	ruff check --select F,E9 rayrl tests bench examples  # undefined names, unused imports, syntax
 	python -m pytest -q -ra
 
 bench: install

@@ -26,7 +26,7 @@ from rayrl import checkpoint, cluster, trace
 from rayrl.batching import advantages, shard, trainable_groups
 from rayrl.config import Config, ConfigError, check_cluster, load_config
 from rayrl.data import DataIterator, load_rows
-from rayrl.metrics import StepLogger, dashboard, summarize
+from rayrl.metrics import StepLogger, dashboard, summarize, tool_metrics, val_metrics
 from rayrl.models import resolve_model
 from rayrl.types import Task, Trajectory
 

@@ -191,7 +191,7 @@ def _worker_load_ipc(self, blob: bytes) -> int:
     flat = fn(*args)
 
     def views():
-        return ((k, flat[o:o + int(_t.Size(s).numel())].view(s)) for k, s, o in meta)
+        return ((k, flat[o:o + int(_t.Size(s).numel())].view(s)) for k, s, o in meta)  # noqa: F821 - consumed before `del flat`
 
     try:  # GPU, unquantized: the model's own loader copies each view into place (what the shared README measured)
         self.model_runner.get_model().load_weights(views())
