@@ -9,7 +9,8 @@ train: install
 
 test: install
 	ruff check --select F,E9 rayrl tests bench examples  # undefined names, unused imports, syntax
-	python -m pytest -q -ra
+	python -m pytest -q -ra tests/unit
+	python -m pytest -q -ra tests/integration tests/e2e tests/gpu
 
 bench: install
 	python bench/queue_vs_redis.py

@@ -69,7 +69,10 @@ def scrape(port: int) -> str:
 
 def test_job_submit_two_nodes(cluster, tiny_model, tmp_path):
     out = tmp_path / "run"
-    submit(cluster, "rayrl-e2e-ok", tiny_overrides(tiny_model, str(out), **{"trainer.experiment_name": "e2e"}))
+    # 6 short steps: the step gauges live from step 1 until the driver exits; polling `ray list jobs` on a loaded
+    # 2-core machine takes seconds, and 2 steps left too short a window to scrape them.
+    submit(cluster, "rayrl-e2e-ok", tiny_overrides(tiny_model, str(out), **{"trainer.experiment_name": "e2e",
+                                                                             "trainer.total_steps": 6}))
     found: set[str] = set()
     deadline = time.monotonic() + 400
     while status(cluster, "rayrl-e2e-ok") in ("PENDING", "RUNNING", "?") and time.monotonic() < deadline:
