@@ -408,7 +408,7 @@ class _Preexec:
         # CPU: SIGXCPU at the soft limit (reported as "CPU limit"), SIGKILL a second later if it is caught.
         resource.setrlimit(resource.RLIMIT_CPU, (c.cpu_seconds, c.cpu_seconds + 1))
         for res, value in ((resource.RLIMIT_AS, c.memory_mb * mb), (resource.RLIMIT_FSIZE, c.max_file_mb * mb),
-                           (resource.RLIMIT_NOFILE, c.max_open_files), (resource.RLIMIT_CORE, 0)):
+                           (resource.RLIMIT_CORE, 0)):
             resource.setrlimit(res, (value, value))
         if self.isolation["mount"] or self.isolation["net"]:
             _enter_namespaces(c, self.workdir, self.isolation, self.keep)
@@ -420,6 +420,9 @@ class _Preexec:
             os.setuid(self.uid)
         else:  # the user's own uid: NPROC counts all their processes, the host's included
             resource.setrlimit(resource.RLIMIT_NPROC, (c.max_processes, c.max_processes))
+        # Last: NOFILE caps fd *numbers*, and a parent with many sockets open (a Ray actor) hands this child high fd
+        # numbers until exec closes them (close_fds); set earlier, the namespace setup's os.open() fails with EMFILE.
+        resource.setrlimit(resource.RLIMIT_NOFILE, (c.max_open_files, c.max_open_files))
 
 
 _libc = None

@@ -131,3 +131,20 @@ def test_sandbox_actor(ray_cluster) -> None:
         ray.get(actor.close.remote(), timeout=30)
     finally:
         ray.kill(actor)
+
+
+def test_runs_from_a_process_with_many_open_files(tmp_path):
+    """A Ray actor holds many sockets: fd numbers above the sandbox's NOFILE limit must not break the spawn."""
+    import asyncio
+
+    from rayrl.actors.sandbox import SandboxConfig, SandboxPool
+
+    held = [open(tmp_path / f"f{i}", "w") for i in range(200)]
+    try:
+        pool = SandboxPool(SandboxConfig())
+        r = asyncio.run(pool.run("print(6 * 7)"))
+        asyncio.run(pool.close())
+    finally:
+        for f in held:
+            f.close()
+    assert r.error is None and r.stdout == "42\n", r
