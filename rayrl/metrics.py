@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Any
 
 CONSOLE_KEYS = [("reward/mean", "reward {:.3f}"), ("reward/std", "±{:.3f}"), ("response/length_mean", "len {:.0f}"),
                 ("rollout/tokens_per_s", "rollout {:.0f} tok/s"), ("time/step_s", "step {:.1f}s"),
@@ -105,10 +104,6 @@ def summarize(values: list[float]) -> tuple[float, float]:
         return 0.0, 0.0
     mean = sum(values) / len(values)
     return mean, (sum((v - mean) ** 2 for v in values) / len(values)) ** 0.5
-
-
-def dump(m: dict[str, Any]) -> str:
-    return json.dumps(m, indent=1, default=str)
 
 
 def val_metrics(trajs: list) -> dict[str, float]:
