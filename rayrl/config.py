@@ -127,6 +127,8 @@ class TrainerConfig:
     test_freq: int = 0  # validate every k steps (0 = never)
     val_before_train: bool = False
     val_n: int = 1  # samples per validation prompt (mean@n, pass@n, maj@n per data source)
+    val_temperature: float | None = None  # validation sampling (verl's val_kwargs); None = rollout.temperature
+    val_top_p: float | None = None  # None = rollout.top_p
     logger: list[str] = field(default_factory=lambda: ["console"])
     experiment_name: str = "quickstart"
     ray_address: str | None = None  # None: join RAY_ADDRESS / a running cluster, or start a local one
@@ -275,6 +277,8 @@ def validate(cfg: Config, check_files: bool = True) -> None:
              f"rollout.n={r.n}: GRPO needs at least 2 samples per prompt to form a baseline")
     _require(0.0 < r.temperature <= 10.0, f"rollout.temperature must be in (0, 10], got {r.temperature}")
     _require(0.0 < r.top_p <= 1.0, f"rollout.top_p must be in (0, 1], got {r.top_p}")
+    for name, v, hi in (("trainer.val_temperature", t.val_temperature, 10.0), ("trainer.val_top_p", t.val_top_p, 1.0)):
+        _require(v is None or 0.0 < v <= hi, f"{name} must be in (0, {hi:g}] or null, got {v}")
     _require(lr.lr > 0, f"learner.lr must be > 0, got {lr.lr}")
     _require(a.clip_ratio_low > 0 and a.clip_ratio_high > 0,
              f"algo.clip_ratio_low/high must be > 0, got {a.clip_ratio_low}/{a.clip_ratio_high}")

@@ -192,8 +192,11 @@ def save(cfg: Config, actors, step: int, version: int, data_state: dict) -> str:
 def validate(cfg: Config, actors, model_path: str, rows: list, version: int) -> dict[str, float]:
     """`trainer.val_n` samples per validation prompt with the current policy -> mean@n, pass@n, maj@n per data source."""
     vstep = -1 - version  # negative steps never collide with training steps in the queue
+    t = cfg.trainer
+    sampling = {k: v for k, v in (("temperature", t.val_temperature), ("top_p", t.val_top_p)) if v is not None}
     tasks = [Task(task_id=f"val{version}/p{i}/{k}", group_id=f"val{version}/p{i}", step=vstep, messages=r.messages,
-                  ground_truth=r.ground_truth, data_source=r.data_source, extra_info=r.extra_info, policy_version=version)
+                  ground_truth=r.ground_truth, data_source=r.data_source, extra_info=r.extra_info, policy_version=version,
+                  sampling=sampling)
              for i, r in enumerate(rows) for k in range(cfg.trainer.val_n)]
     with trace.span("validate", version=version):
         ray.get(actors.queue.put.remote(tasks), timeout=60)

@@ -21,6 +21,7 @@ class Task:
     data_source: str
     extra_info: dict[str, Any] = field(default_factory=dict)
     policy_version: int = 0  # the policy version at dispatch
+    sampling: dict[str, float] = field(default_factory=dict)  # session defaults (temperature, top_p) over rollout's
 
 
 @dataclass

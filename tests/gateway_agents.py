@@ -30,3 +30,9 @@ async def tool_agent(ctx: TaskContext, config: dict) -> dict:
         messages = messages + [{"role": "assistant", "content": c.message.content, "tool_calls": [call]},
                                {"role": "tool", "tool_call_id": f"call_{k}", "content": str(k + 1)}]
     return {"reward": 1.0, "answer": seen[-1]["content"], "metadata": {"seen": seen}}
+
+
+async def plain_agent(ctx: TaskContext, config: dict) -> dict:
+    """One call with no sampling arguments: temperature and top_p come from the session (task.sampling)."""
+    r = await ctx.llm.chat.completions.create(messages=ctx.messages, max_tokens=config.get("max_tokens", 16))
+    return {"reward": 0.0, "answer": r.choices[0].message.content}

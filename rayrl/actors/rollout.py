@@ -72,7 +72,7 @@ class RolloutWorker:
         try:
             sid, key, base_url = await asyncio.wait_for(self.gateway.open_session.remote(
                 task.task_id, budget=r.max_response_length, max_prompt=self.cfg.data.max_prompt_length,
-                match=last_user if isinstance(last_user, str) and last_user else None), 60)
+                match=last_user if isinstance(last_user, str) and last_user else None, **task.sampling), 60)
         except Exception as e:  # noqa: BLE001 - the gateway died or hung: a failed trajectory, the lease is acked
             return self._trajectory(task, SessionRecord("", task.task_id), t0=t0, error=f"gateway: {_describe(e)}")
         llm = session_client(base_url, key, self.cfg.gateway.model_name, self.cfg.gateway.request_timeout, self._client())

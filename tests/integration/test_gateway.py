@@ -311,3 +311,26 @@ def test_in_process_transport_when_http_is_off(gw, tiny_model):
         assert rec.num_turns == 1 and reply.usage.completion_tokens == len(rec.response_ids)
     finally:
         ray.kill(g)
+
+
+def test_task_sampling_sets_the_session_defaults(gw, tiny_model):
+    """Validation tasks carry their own temperature/top_p (trainer.val_temperature / val_top_p) to the session: an
+    agent that passes none samples with them. Near-greedy runs agree token for token; rollout.temperature=1 on the
+    random tiny model does not."""
+    import dataclasses
+
+    cfg, _, gateway, _ = gw
+    cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, agent="tests.gateway_agents:plain_agent"))
+    worker = RolloutWorker("test/0", cfg, tiny_model, None, gateway, None)
+
+    def runs(sampling):
+        out = []
+        for k in range(3):
+            task = dataclasses.replace(_task(tid=f"s0/p0/{k}"), sampling=sampling)
+            traj = asyncio.run(worker.run_task(task))
+            assert traj.error is None, traj.error
+            out.append(tuple(traj.response_ids))
+        return out
+
+    assert len(set(runs({"temperature": 1e-4, "top_p": 0.5}))) == 1
+    assert len(set(runs({}))) > 1

@@ -73,6 +73,8 @@ BAD = [
     ("bad-loss-agg", None, ["algo.loss_agg_mode=mean"], ["algo.loss_agg_mode='mean'"]),
     ("dual-clip-below-1", None, ["algo.clip_ratio_c=1.0"], ["algo.clip_ratio_c", "1.0"]),
     ("temperature", None, ["rollout.temperature=0"], ["rollout.temperature", "0.0"]),
+    ("val-top-p", None, ["trainer.val_top_p=1.5"], ["trainer.val_top_p", "1.5"]),
+    ("val-temperature-type", None, ["trainer.val_temperature=hot"], ["trainer.val_temperature", "'hot'"]),
     ("bad-backend", None, ["engine.backend=tgi"], ["engine.backend='tgi'"]),
     ("model-path", None, ["model.path=/nonexistent/model"], ["model.path", "'/nonexistent/model'"]),
 ]
