@@ -1,9 +1,12 @@
-"""Connect to Ray and start one actor group per role: queue, engines, reward, learners, rollout workers.
+"""Connect to Ray and start one actor group per role: queue, engines, reward, learners, rollout workers, and
+(when `sandbox.num_actors` > 0) shared code sandboxes.
 
 Actors are named by role and index (`rayrl/engine/0`, ...) so the Dashboard's Actors view reads like
 the architecture. Each role gets one placement group with a bundle per actor (`placement.*`): the
 strategy spreads or packs them over however many nodes the cluster has, and a role's custom resources
-pin it to the nodes that offer them. The queue (no CPU) stays on the driver's node.
+pin it to the nodes that offer them. The queue (no CPU) stays on the driver's node. Engines and learners that
+each take a fraction of a GPU are colocated instead: one placement group `rayrl/gpu` with a bundle per GPU, engine i
+and learner rank i in bundle i (see `colocated`).
 """
 
 from __future__ import annotations
@@ -17,13 +20,17 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
+from rayrl import weight_sync
 from rayrl.actors.engine import EngineActor
 from rayrl.actors.gateway import GatewayActor
 from rayrl.actors.learner import LearnerWorker
 from rayrl.actors.queue import TaskQueue
 from rayrl.actors.reward import RewardActor
 from rayrl.actors.rollout import RolloutActor
-from rayrl.config import Config
+from rayrl.actors.sandbox import SandboxActor
+from rayrl.config import Config, sandbox_config
+
+SandboxRemote = ray.remote(SandboxActor)
 
 
 def connect(cfg: Config) -> None:
@@ -60,19 +67,28 @@ class Actors:
     engines: list = field(default_factory=list)
     learners: list = field(default_factory=list)
     workers: list = field(default_factory=list)
+    sandboxes: list = field(default_factory=list)  # shared SandboxActors (sandbox.num_actors), handed to every worker
     runs: list = field(default_factory=list)  # each worker's run() ref; it resolves when the worker stops or dies
     generation: list = field(default_factory=list)  # restarts per worker slot, for unique names
     groups: dict = field(default_factory=dict)  # role -> its placement group
     gateway: object = None  # the OpenAI-compatible HTTP front of the engines; records every call per session
+    weight_sync: str = "object_store"  # engine.weight_sync resolved at start: object_store | cuda_ipc | broadcast
 
 
-def _threads(gpus: float) -> dict:
-    # Ray sets OMP_NUM_THREADS=1 in workers; a CPU engine or learner should use every core while it runs.
-    # A value the user set in the job's runtime_env wins over this default.
+# NVLink multicast off in NCCL, PyTorch and NVSHMEM: on shared multi-GPU hosts a program that uses it can put
+# the host's GPUs out of service. Every actor gets these unless the job's runtime_env or the driver sets them.
+MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+
+
+def _env(all_cores: bool = False) -> dict:
+    """An actor's runtime_env: MULTICAST_OFF, and for CPU engines and learners (`all_cores`) OMP_NUM_THREADS = every
+    core (Ray sets 1 in workers). A value in the job's runtime_env wins: it is left out here."""
     job_env = (ray.get_runtime_context().runtime_env or {}).get("env_vars") or {}
-    if gpus > 0 or "OMP_NUM_THREADS" in job_env:
-        return {}
-    return {"runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(os.cpu_count() or 1)}}}
+    env = {k: os.environ.get(k, v) for k, v in MULTICAST_OFF.items()}
+    if all_cores:
+        env["OMP_NUM_THREADS"] = str(os.cpu_count() or 1)
+    env = {k: v for k, v in env.items() if k not in job_env}
+    return {"runtime_env": {"env_vars": env}} if env else {}
 
 
 def reserve(cfg: Config) -> dict:
@@ -82,19 +98,39 @@ def reserve(cfg: Config) -> dict:
              "learner": (lc.num_workers, {"CPU": 1, "GPU": lc.gpus_per_worker}, p.learner_resources),
              "reward": (1, {"CPU": 0.5}, p.reward_resources),
              "rollout": (r.num_workers, {"CPU": 0.25}, p.rollout_resources)}
+    if cfg.sandbox.num_actors:
+        roles["sandbox"] = (cfg.sandbox.num_actors, {"CPU": cfg.sandbox.cpus_per_actor}, p.sandbox_resources)
+    if colocated(cfg):  # one bundle per GPU: engine i and learner rank i share bundle i, so they share its GPU
+        extra = {k: p.engine_resources.get(k, 0) + p.learner_resources.get(k, 0)
+                 for k in {**p.engine_resources, **p.learner_resources}}
+        roles["gpu"] = (max(e.num_engines, lc.num_workers), {"CPU": 2, "GPU": 1}, extra)
+        del roles["engine"], roles["learner"]
     groups, wanted = {}, {}
     for role, (n, res, extra) in roles.items():
         bundle = {k: v for k, v in {**res, **extra}.items() if v > 0}
         wanted[role] = f"{n} x {bundle}"
         groups[role] = placement_group([bundle] * n, strategy=p.strategy, name=f"rayrl/{role}")
+    if "gpu" in groups:
+        groups["engine"] = groups["learner"] = groups.pop("gpu")
     try:
-        ray.get([g.ready() for g in groups.values()], timeout=p.timeout)
+        ray.get([g.ready() for g in _unique(groups)], timeout=p.timeout)
     except ray.exceptions.GetTimeoutError:
-        for g in groups.values():
+        for g in _unique(groups):
             remove_placement_group(g)
         raise RuntimeError(f"the cluster cannot place the actors within placement.timeout={p.timeout}s "
                            f"(strategy {p.strategy}): wanted {wanted}; it has {ray.available_resources()}") from None
     return groups
+
+
+def colocated(cfg: Config) -> bool:
+    """Engines and learners share GPUs when both take a fraction of one that fits next to the other (0.4 + 0.5):
+    engine i then runs on learner rank i's GPU (cuda_ipc weight sync). Otherwise each has GPUs of its own."""
+    ge, gl = cfg.engine.gpus_per_engine, cfg.learner.gpus_per_worker
+    return 0 < ge and 0 < gl and ge + gl <= 1
+
+
+def _unique(groups: dict) -> list:
+    return list({g.id: g for g in groups.values()}.values())
 
 
 def _in(groups: dict, role: str, i: int) -> dict:
@@ -103,29 +139,34 @@ def _in(groups: dict, role: str, i: int) -> dict:
 
 def start(cfg: Config, model_path: str) -> Actors:
     groups = reserve(cfg)
-    queue = TaskQueue.options(name="rayrl/queue", num_cpus=0).remote(lease_timeout=cfg.rollout.lease_timeout)
-    reward = RewardActor.options(name="rayrl/reward/0", num_cpus=0.5, **_in(groups, "reward", 0),
+    queue = TaskQueue.options(name="rayrl/queue", num_cpus=0, **_env()).remote(lease_timeout=cfg.rollout.lease_timeout)
+    reward = RewardActor.options(name="rayrl/reward/0", num_cpus=0.5, **_in(groups, "reward", 0), **_env(),
                                  resources=cfg.placement.reward_resources).remote(
         cfg.reward.fn, cfg.reward.timeout, cfg.reward.num_procs)
     e = cfg.engine
     engines = [EngineActor.options(name=f"rayrl/engine/{i}", num_cpus=1, num_gpus=e.gpus_per_engine, max_concurrency=1000,
                                    resources=cfg.placement.engine_resources, **_in(groups, "engine", i),
-                                   **_threads(e.gpus_per_engine))
+                                   **_env(all_cores=e.gpus_per_engine == 0))
                .remote(model_path, e, cfg.model.dtype, cfg.trainer.seed + i, f"engine/{i}") for i in range(e.num_engines)]
     lc = cfg.learner
     learners = [LearnerWorker.options(name=f"rayrl/learner/{r}", num_cpus=1, num_gpus=lc.gpus_per_worker,
                                       resources=cfg.placement.learner_resources, **_in(groups, "learner", r),
-                                      **_threads(lc.gpus_per_worker)).remote(model_path, cfg, r, lc.num_workers)
+                                      **_env(all_cores=lc.gpus_per_worker == 0)).remote(model_path, cfg, r, lc.num_workers)
                 for r in range(lc.num_workers)]
-    actors = Actors(queue=queue, reward=reward, engines=engines, learners=learners, groups=groups)
+    sb = cfg.sandbox
+    sandboxes = [SandboxRemote.options(name=f"rayrl/sandbox/{i}", num_cpus=sb.cpus_per_actor, max_concurrency=1000,
+                                       resources=cfg.placement.sandbox_resources, **_in(groups, "sandbox", i), **_env())
+                 .remote(sandbox_config(cfg)) for i in range(sb.num_actors)]
+    actors = Actors(queue=queue, reward=reward, engines=engines, learners=learners, sandboxes=sandboxes, groups=groups)
     try:
         # Engines and learners load in parallel; the learners rendezvous at rank 0's address.
         starts = [eng.start.remote() for eng in engines]
         addr, port = ray.get(learners[0].address.remote(), timeout=120)
         ray.get([ln.setup.remote(addr, port) for ln in learners] + starts, timeout=e.sync_timeout + 600)
+        actors.weight_sync = weight_sync.connect(cfg, learners, engines)  # broadcast: forms the learner->engines group
         # The Gateway runs on the driver's node (the head under `ray job submit`): its URL is what agent services use.
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        actors.gateway = GatewayActor.options(name="rayrl/gateway", num_cpus=0, max_concurrency=10000,
+        actors.gateway = GatewayActor.options(name="rayrl/gateway", num_cpus=0, max_concurrency=10000, **_env(),
                                               scheduling_strategy=here).remote(cfg, model_path, engines)
         ray.get(actors.gateway.start.remote(), timeout=120)
         for i in range(cfg.rollout.num_workers):
@@ -141,10 +182,10 @@ def start(cfg: Config, model_path: str) -> Actors:
 
 def start_worker(actors: Actors, cfg: Config, model_path: str, i: int) -> None:
     gen = actors.generation[i]
-    w = RolloutActor.options(name=f"rayrl/rollout/{i}" + (f".{gen}" if gen else ""), num_cpus=0.25,
+    w = RolloutActor.options(name=f"rayrl/rollout/{i}" + (f".{gen}" if gen else ""), num_cpus=0.25, **_env(),
                              resources=cfg.placement.rollout_resources, **_in(actors.groups, "rollout", i),
                              max_concurrency=cfg.rollout.concurrency + 8).remote(
-        f"rollout/{i}.{gen}", cfg, model_path, actors.queue, actors.gateway, actors.reward)
+        f"rollout/{i}.{gen}", cfg, model_path, actors.queue, actors.gateway, actors.reward, actors.sandboxes)
     actors.workers[i] = w
     actors.runs[i] = w.run.remote()
 
@@ -168,12 +209,13 @@ def shutdown(actors: Actors | None) -> None:
     if actors is None:
         return
     try:
-        ray.get([e.shutdown.remote() for e in actors.engines] + [ln.shutdown.remote() for ln in actors.learners],
-                timeout=30)
+        ray.get([e.shutdown.remote() for e in actors.engines] + [ln.shutdown.remote() for ln in actors.learners]
+                + [s.close.remote() for s in actors.sandboxes], timeout=30)
     except Exception:  # noqa: BLE001 - dying anyway; the kills below still run
         pass
-    for a in [*actors.workers, actors.gateway, actors.reward, *actors.engines, *actors.learners, actors.queue]:
+    for a in [*actors.workers, actors.gateway, actors.reward, *actors.engines, *actors.learners, *actors.sandboxes,
+              actors.queue]:
         if a is not None:
             ray.kill(a, no_restart=True)
-    for g in actors.groups.values():
+    for g in _unique(actors.groups):
         remove_placement_group(g)

@@ -67,6 +67,18 @@ class EngineConfig:
     max_num_seqs: int = 128
     request_timeout: float = 600.0  # seconds one generate call may take
     sync_timeout: float = 300.0  # seconds one weight update may take
+    # How weights reach the engines (rayrl/weight_sync.py): auto | object_store | cuda_ipc | broadcast.
+    # auto = cuda_ipc when learner rank 0 and the engines share a GPU, broadcast on other GPUs, object_store on CPU.
+    weight_sync: str = "auto"
+    sync_bucket_mb: int = 256  # broadcast: MiB per bucket sent at once
+
+    def __post_init__(self):
+        modes = ("auto", "object_store", "cuda_ipc", "broadcast")
+        _require(self.weight_sync in modes, f"engine.weight_sync={self.weight_sync!r} must be one of {', '.join(modes)}")
+        _require(self.backend == "vllm" or self.weight_sync in ("auto", "object_store"),
+                 f"engine.weight_sync={self.weight_sync!r} needs engine.backend=vllm (backend {self.backend!r} "
+                 "loads weights through the object store only)")
+        _require(self.sync_bucket_mb >= 1, f"engine.sync_bucket_mb must be >= 1, got {self.sync_bucket_mb}")
 
 
 @dataclass
@@ -111,6 +123,10 @@ class LearnerConfig:
     grad_clip: float = 1.0
     mini_batch_size: int = 0  # prompts per optimizer step; 0 = the whole step batch (one update per step)
     micro_batch_size: int = 8  # sequences per forward/backward on one rank
+    # tokens (prompt + response) per forward/backward on one rank, sequences packed into one padding-free row
+    # (verl's ppo_max_token_len_per_gpu); a longer sequence goes alone. 0 = micro_batch_size sequences each
+    max_tokens_per_micro_batch: int = 0
+    pack: bool = True  # padding-free packed rows (position_ids restart per sequence); false = right-padded
     ppo_epochs: int = 1
     timeout: float = 1800.0  # seconds one learner call may take
 
@@ -148,7 +164,19 @@ class PlacementConfig:
     learner_resources: dict[str, float] = field(default_factory=dict)
     rollout_resources: dict[str, float] = field(default_factory=dict)
     reward_resources: dict[str, float] = field(default_factory=dict)
+    sandbox_resources: dict[str, float] = field(default_factory=dict)
     timeout: float = 300.0  # seconds to wait for the cluster to fit the placement groups
+
+
+@dataclass
+class SandboxPoolConfig:
+    """Shared code sandboxes as their own role. 0 actors: each rollout worker runs the sandboxes its agent asks
+    for in its own process (rollout.agent_config.sandbox); k: k SandboxActors (`rayrl/sandbox/i`, one placement
+    group, placement.sandbox_resources) that every worker's episodes share through `ctx.sandbox`."""
+
+    num_actors: int = 0
+    cpus_per_actor: float = 1.0  # Ray CPUs reserved per actor (its executions run in child processes)
+    config: dict[str, Any] = field(default_factory=dict)  # rayrl.actors.sandbox.SandboxConfig; {} = agent_config.sandbox
 
 
 @dataclass
@@ -163,6 +191,7 @@ class Config:
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
+    sandbox: SandboxPoolConfig = field(default_factory=SandboxPoolConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -279,6 +308,9 @@ def validate(cfg: Config, check_files: bool = True) -> None:
     _require(0.0 < r.top_p <= 1.0, f"rollout.top_p must be in (0, 1], got {r.top_p}")
     for name, v, hi in (("trainer.val_temperature", t.val_temperature, 10.0), ("trainer.val_top_p", t.val_top_p, 1.0)):
         _require(v is None or 0.0 < v <= hi, f"{name} must be in (0, {hi:g}] or null, got {v}")
+    _require(cfg.sandbox.num_actors >= 0, f"sandbox.num_actors must be >= 0, got {cfg.sandbox.num_actors}")
+    if cfg.sandbox.num_actors or cfg.rollout.agent_config.get("sandbox"):
+        _check_sandbox(sandbox_config(cfg), "sandbox.config" if cfg.sandbox.config else "rollout.agent_config.sandbox")
     _require(lr.lr > 0, f"learner.lr must be > 0, got {lr.lr}")
     _require(a.clip_ratio_low > 0 and a.clip_ratio_high > 0,
              f"algo.clip_ratio_low/high must be > 0, got {a.clip_ratio_low}/{a.clip_ratio_high}")
@@ -321,6 +353,27 @@ def validate(cfg: Config, check_files: bool = True) -> None:
             _require(os.path.isdir(cfg.model.path), f"model.path: {cfg.model.path!r} is not a directory (or 'smollm2')")
 
 
+def sandbox_config(cfg: Config) -> dict[str, Any]:
+    """What the shared SandboxActors run with: sandbox.config, else the agent's own `sandbox` section."""
+    return cfg.sandbox.config or dict(cfg.rollout.agent_config.get("sandbox") or {})
+
+
+def _check_sandbox(raw: dict[str, Any], name: str) -> None:
+    from rayrl.actors.sandbox import SandboxConfig  # noqa: PLC0415
+
+    try:
+        sc = SandboxConfig.from_dict(raw)
+    except (TypeError, ValueError) as ex:
+        raise ConfigError(f"{name}: {ex}") from None
+    if sc.backend == "e2b":
+        try:
+            importlib.import_module("e2b_code_interpreter")
+        except ImportError:
+            raise ConfigError(f"{name}.backend='e2b' needs the e2b-code-interpreter package, which is not installed: "
+                              "pip install 'rayrl[e2b]', or list e2b_code_interpreter under `pip` in the job's "
+                              "runtime_env (runtime_envs/gpu.yaml does)") from None
+
+
 def check_callable(spec: str, name: str) -> Any:
     """Resolve "module:function" or raise a ConfigError naming the field."""
     if ":" not in spec:
@@ -328,6 +381,9 @@ def check_callable(spec: str, name: str) -> Any:
     mod_name, _, fn_name = spec.partition(":")
     try:
         mod = importlib.import_module(mod_name)
+    except ModuleNotFoundError as ex:
+        raise ConfigError(f"{name}={spec!r}: cannot import module {mod_name!r} ({ex}); install it on every node "
+                          "or list it under `pip` in the job's runtime_env") from None
     except Exception as ex:  # noqa: BLE001 - ImportError, SyntaxError, ValueError(""), ...: all config errors
         raise ConfigError(f"{name}={spec!r}: cannot import module {mod_name!r} ({ex})") from None
     fn = getattr(mod, fn_name, None)

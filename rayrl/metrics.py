@@ -142,3 +142,49 @@ def tool_metrics(trajs: list) -> dict[str, float]:
     calls = sum(m["tool_calls"] for m in tooled)
     return {"tools/calls_mean": calls / len(tooled),
             "sandbox/error_rate": sum(m.get("sandbox_errors", 0) for m in tooled) / max(calls, 1)}
+
+
+def phase_shares(trajs: list, start: float, rollout_end: float, learner_s: float, sync_s: float,
+                 step_s: float) -> dict[str, float]:
+    """Where a step's wall time went, as shares summing to 1. During the rollout window each instant goes to the
+    first busy phase of: generate (an LLM call in flight), tool (a tool or sandbox run), reward (scoring), else
+    rollout idle (agent code, queue and Ray overhead, waiting on stragglers). Then learner, weight sync, and other
+    (validation, checkpoint, driver). Times are wall-clock (`time.time()`) from the trajectories' events."""
+    kinds = {"llm": "generate", "sandbox": "tool", "reward": "reward"}
+    spans: dict[str, list[tuple[float, float]]] = {"generate": [], "tool": [], "reward": []}
+    for t in trajs:
+        for e in t.events:
+            name = e.get("name", "")
+            kind = kinds.get(name) or ("tool" if name.startswith(("tool", "sandbox")) else None)
+            if kind and "start" in e and "end" in e:
+                spans[kind].append((max(e["start"], start), min(e["end"], rollout_end)))
+    taken: list[tuple[float, float]] = []
+    out = {}
+    for kind in ("generate", "tool", "reward"):
+        mine = _union(spans[kind])
+        out[kind] = _length(mine) - _length(_intersect(mine, taken))
+        taken = _union(taken + mine)
+    window = max(rollout_end - start, 0.0)
+    out["rollout_idle"] = max(window - _length(taken), 0.0)
+    out["learner"], out["sync"] = learner_s, sync_s
+    out["other"] = max(step_s - window - learner_s - sync_s, 0.0)
+    total = sum(out.values()) or 1.0
+    return {f"time/share_{k}": v / total for k, v in out.items()}
+
+
+def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(s for s in spans if s[1] > s[0]):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _intersect(xs: list[tuple[float, float]], ys: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    return [(max(a, c), min(b, d)) for a, b in xs for c, d in ys if min(b, d) > max(a, c)]
+
+
+def _length(spans: list[tuple[float, float]]) -> float:
+    return sum(b - a for a, b in spans)

@@ -3,7 +3,8 @@
 Layout: one Perfetto *process* per training step ("step 3"). Its thread 0 ("driver") holds the step span
 and the driver's phases nested in it (rollout, learner update -> train_step / compute_logprobs, weight
 sync, validate, checkpoint); its other threads are lanes of trajectories, each trajectory span holding
-what happened inside it (LLM calls with token counts, tool calls, sandbox runs, reward). Timestamps are
+what happened inside it (LLM calls with token counts, tool calls, sandbox runs, reward); the last threads,
+one per learner rank, hold each train_step's forward / backward per micro-batch and optimizer step. Timestamps are
 wall-clock `time.time()`, comparable across processes of one node.
 
 While training, events go to `output_dir/trace/events.jsonl` (one line per event, tagged with its
@@ -30,6 +31,7 @@ from typing import Any
 from rayrl.types import Trajectory
 
 DRIVER_TID = 0
+LEARNER_TID = 1_000_000  # + rank: one lane per learner rank (forward / backward / optimizer step), after trajectories
 _active: Tracer | None = None  # the run's tracer; module-level so phases can be traced without threading it through
 
 
@@ -98,6 +100,15 @@ class Tracer:
                 s, t = max(e["start"], start), min(e["end"], end)
                 self.add(e["name"], s, max(s, t), tid=tid, cat=e.get("cat", "episode"), **e.get("args", {}))
 
+    def learner(self, events: list[dict], start: float, end: float) -> None:
+        """Learner-side spans (rayrl.types.StepStats.events) on one lane per rank, clamped into [start, end], the
+        driver's span around the call, so they nest in it even with clocks of other nodes slightly off."""
+        for e in events:
+            s = min(max(e["start"], start), end)
+            rank = e.get("rank", 0)
+            self.add(e["name"], s, min(max(e["end"], s), end), tid=LEARNER_TID + rank, cat="learner", rank=rank,
+                     **e.get("args", {}))
+
     def flush(self) -> None:
         if not self.pending:
             return
@@ -161,6 +172,12 @@ def trajectories(trajs: list[Trajectory]) -> None:
         _active.trajectories(trajs)
 
 
+def learner(events: list[dict], start: float, end: float) -> None:
+    """Add learner spans (StepStats.events of every rank) nested in the driver's span [start, end] around the call."""
+    if _active is not None:
+        _active.learner(events, start, end)
+
+
 def dump(run_dir: str, first: int | None, last: int | None, out: str) -> str:
     """Write the events of steps first..last (inclusive; None = open-ended) of a run as one Chrome trace file."""
     path = os.path.join(run_dir, "trace", "events.jsonl")
@@ -183,7 +200,8 @@ def dump(run_dir: str, first: int | None, last: int | None, out: str) -> str:
         meta.append({"name": "process_sort_index", "ph": "M", "pid": s, "tid": 0, "args": {"sort_index": s}})
         meta.append({"name": "thread_name", "ph": "M", "pid": s, "tid": DRIVER_TID, "args": {"name": "driver"}})
         for tid in sorted({e["tid"] for e in events if e["pid"] == s} - {DRIVER_TID}):
-            meta.append({"name": "thread_name", "ph": "M", "pid": s, "tid": tid, "args": {"name": f"trajectories {tid}"}})
+            name = f"learner rank {tid - LEARNER_TID}" if tid >= LEARNER_TID else f"trajectories {tid}"
+            meta.append({"name": "thread_name", "ph": "M", "pid": s, "tid": tid, "args": {"name": name}})
     tmp = out + ".tmp"
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(tmp, "w") as f:

@@ -22,11 +22,11 @@ import time
 
 import ray
 
-from rayrl import checkpoint, cluster, trace
+from rayrl import checkpoint, cluster, trace, weight_sync
 from rayrl.batching import advantages, shard, trainable_groups
 from rayrl.config import Config, ConfigError, check_cluster, load_config
 from rayrl.data import DataIterator, load_rows
-from rayrl.metrics import StepLogger, dashboard, summarize, tool_metrics, val_metrics
+from rayrl.metrics import StepLogger, dashboard, phase_shares, summarize, tool_metrics, val_metrics
 from rayrl.models import resolve_model
 from rayrl.types import Task, Trajectory
 
@@ -53,7 +53,8 @@ def train(cfg: Config) -> dict:
             log.log(0, validate(cfg, actors, model_path, val_rows, version))
         while step < t.total_steps:
             with trace.step(step + 1):  # one span in the trace holding this step's phases and trajectories
-                t0 = time.perf_counter()
+                val: dict[str, float] = {}
+                t0, w0 = time.perf_counter(), time.time()
                 with trace.span("rollout"):
                     feeder.fill(until=min(step + cfg.algo.max_staleness, t.total_steps - 1), version=version)
                     trajs = collect(cfg, actors, model_path, feeder.expected.pop(step), step, feeder.early)
@@ -64,11 +65,13 @@ def train(cfg: Config) -> dict:
                 learn = update(cfg, actors.learners, groups)
                 version, step = version + 1, step + 1
                 sync_s = sync_weights(cfg, actors, version)  # <- the engines serve the new policy from here on
-                m = step_metrics(trajs, groups, dropped, learn, t_rollout, sync_s, version, time.perf_counter() - t0)
                 if val_rows and t.test_freq and step % t.test_freq == 0:
-                    m.update(validate(cfg, actors, model_path, val_rows, version))
+                    val = validate(cfg, actors, model_path, val_rows, version)
                 if (t.save_freq and step % t.save_freq == 0) or step == t.total_steps:
                     summary["checkpoint"] = save(cfg, actors, step, version, feeder.state_before(step))
+                m = step_metrics(trajs, groups, dropped, learn, t_rollout, sync_s, version, time.perf_counter() - t0)
+                m.update(phase_shares(trajs, w0, w0 + t_rollout, learn.get("time/learner_s", 0.0), sync_s, m["time/step_s"]))
+                m.update(val)
                 log.log(step, m)
                 summary.update(step=step, metrics=m)
         if t.export_hf:
@@ -148,8 +151,10 @@ def update(cfg: Config, learners: list, groups: list[list[Trajectory]]) -> dict[
     for epoch in range(cfg.learner.ppo_epochs):
         for j, sh in enumerate(shards):
             with trace.span("learner/train_step", epoch=epoch, minibatch=j):  # forward + backward + optimizer step
+                t0 = time.time()
                 stats.append(ray.get([ln.train_step.remote(s, None if olds is None else olds[j][r])
                                       for r, (ln, s) in enumerate(zip(learners, sh))], timeout=timeout))
+                trace.learner([e for st in stats[-1] for e in st.events], t0, time.time())  # a lane per rank
     last = stats[-1]
     return {"actor/loss": sum(s.loss for s in last), "actor/pg_clipfrac": sum(s.pg_clipfrac for s in last),
             "actor/ppo_kl": sum(s.ppo_kl for s in last), "actor/grad_norm": last[0].grad_norm,
@@ -157,12 +162,11 @@ def update(cfg: Config, learners: list, groups: list[list[Trajectory]]) -> dict[
 
 
 def sync_weights(cfg: Config, actors, version: int) -> float:
-    """Learner rank 0's full state dict -> object store -> every engine. Returns the slowest engine's seconds."""
+    """The learners' weights -> every engine, by the strategy resolved at start (object_store, cuda_ipc or
+    broadcast: rayrl/weight_sync.py). Returns the seconds until the slowest engine serves them."""
     t0 = time.perf_counter()
-    with trace.span("weight_sync", version=version):
-        refs = [ln.weights.remote(version) for ln in actors.learners]  # a collective: every rank takes part
-        ray.get(refs[1:], timeout=cfg.engine.sync_timeout)
-        ray.get([e.update_weights.remote(refs[0]) for e in actors.engines], timeout=cfg.engine.sync_timeout)
+    with trace.span("weight_sync", version=version, strategy=actors.weight_sync):
+        weight_sync.push(actors.weight_sync, actors.learners, actors.engines, version, cfg.engine.sync_timeout)
     return time.perf_counter() - t0
 
 

@@ -88,6 +88,9 @@ class StepStats:
     num_tokens: int
     seconds: float
     extra: dict[str, float] = field(default_factory=dict)
+    # Learner-side spans for the trace (rayrl.trace): {"name": "forward" | "backward" (per micro-batch) |
+    # "optimizer_step" | "train_step" (the whole call), "start", "end": time.time(), "rank", "args"}
+    events: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 from rayrl.agent import TaskContext
 
@@ -34,5 +35,8 @@ async def tool_agent(ctx: TaskContext, config: dict) -> dict:
 
 async def plain_agent(ctx: TaskContext, config: dict) -> dict:
     """One call with no sampling arguments: temperature and top_p come from the session (task.sampling)."""
+    t0 = time.time()
     r = await ctx.llm.chat.completions.create(messages=ctx.messages, max_tokens=config.get("max_tokens", 16))
-    return {"reward": 0.0, "answer": r.choices[0].message.content}
+    t1 = time.time()
+    events = [{"name": "llm", "start": t0, "end": t1}, {"name": "tool:lookup", "start": t1, "end": time.time(), "cat": "tool"}]
+    return {"reward": 0.0, "answer": r.choices[0].message.content, "metadata": {"events": events}}

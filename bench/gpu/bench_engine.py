@@ -1,17 +1,19 @@
 """GPU benchmarks of rayrl's Engine and Learner against their physical or vLLM peers, one ratio per run.
 
     python bench/gpu/bench_engine.py all --out DIR      # every part below, each in its own process
-    python bench/gpu/bench_engine.py ceil|vllm|engine|sync05 --out DIR
+    python bench/gpu/bench_engine.py ceil|vllm|engine|sync05|learner --out DIR
 
 Parts (each appends one JSON line to DIR/bench.jsonl and prints a table line):
 - ceil:   the card's two ceilings: device-to-device copy (bytes read + written) and an 8192^3 bf16 matmul.
 - vllm:   vLLM's own offline `LLM.generate` on the prompts below (the peer).
 - engine: rayrl's `Engine` (vllm backend, AsyncLLM, one request per sample) on the same prompts and sampling;
-          then with a `Learner` (FSDP2, nccl) on the same GPU: weight sync learner -> engine through rayrl's path
-          (`Learner.weights` -> `Engine.update_weights`) and through CUDA IPC (a prototype, see `ipc_sync`), each
-          against a device-to-device copy of the same bytes; engine-vs-learner logprob agreement after each sync.
-- sync05: the same two syncs for a random-init Qwen2.5-0.5B-shaped model (untied lm_head), and the learner's
-          training throughput / MFU on it.
+          then with a `Learner` (FSDP2, nccl) on the same GPU: weight sync learner -> engine through rayrl's
+          strategies (rayrl/weight_sync.py) object_store (`Learner.weights` -> `Engine.update_weights`) and cuda_ipc
+          (`Learner.ipc_handle` -> `Engine.load_ipc`), each against a device-to-device copy of the same bytes;
+          engine-vs-learner logprob agreement after each sync.
+- sync05: the same two syncs for a random-init Qwen2.5-0.5B-shaped model (untied lm_head).
+- learner: the learner's training throughput / MFU on that model: right-padded micro-batches against padding-free
+          packed rows (varlen flash attention, rayrl/attention.py) at two token budgets.
 
 Prompts: reasoning-gym basic_arithmetic (rayrl's default job data) through SmolLM2's chat template, 1024 prompts
 n=1 and 128 prompts x n=8, 256 new tokens, temperature 1, the sampled token's logprob.
@@ -23,7 +25,6 @@ import argparse
 import asyncio
 import json
 import os
-import pickle
 import signal
 import subprocess
 import sys
@@ -124,13 +125,14 @@ def part_vllm(args) -> None:
     del llm
 
 
-def _learner(model_path: str, lr: float, micro: int = 8):
+def _learner(model_path: str, lr: float, micro: int = 8, pack: bool = True, budget: int = 0):
     from rayrl.actors.learner import Learner
     from rayrl.config import load_config
 
     cfg = load_config(None, [f"model.path={model_path}", "model.dtype=bfloat16", "learner.gpus_per_worker=1",
                              f"learner.lr={lr}", f"learner.micro_batch_size={micro}", "data.max_prompt_length=256",
-                             "rollout.max_response_length=768"], check_files=False)
+                             "rollout.max_response_length=768", f"learner.pack={pack}",
+                             f"learner.max_tokens_per_micro_batch={budget}"], check_files=False)
     ln = Learner(model_path, cfg)
     t0 = time.perf_counter()
     nparams = ln.setup()
@@ -162,69 +164,19 @@ async def logprob_agreement(eng, ln, ps) -> dict:
     return {"max_abs": max(d), "mean_abs": sum(d) / len(d), "tokens": len(d)}
 
 
-def ipc_state(ln) -> tuple[torch.Tensor, list]:
-    """Learner side of the CUDA-IPC path: the full state dict, gathered on the GPU, in one bf16 buffer."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    state = get_model_state_dict(ln.model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
-    dtype = getattr(torch, ln.cfg.model.dtype)
-    total = sum(v.numel() for v in state.values())
-    flat = torch.empty(total, dtype=dtype, device=ln.device)
-    meta, o = [], 0
-    for k, v in state.items():
-        n = v.numel()
-        flat[o:o + n].copy_(v.reshape(-1))
-        meta.append((k, tuple(v.shape), o))
-        o += n
-    if flat.is_cuda:
-        torch.cuda.synchronize()
-    return flat, meta
-
-
-def _worker_load_ipc(self, blob: bytes) -> int:
-    """Runs inside vLLM's GPU worker process (collective_rpc): open the learner's buffer, load views of it."""
-    import pickle as _p
-
-    import torch as _t
-
-    fn, args, meta = _p.loads(blob)
-    flat = fn(*args)
-
-    def views():
-        return ((k, flat[o:o + int(_t.Size(s).numel())].view(s)) for k, s, o in meta)  # noqa: F821 - consumed before `del flat`
-
-    try:  # GPU, unquantized: the model's own loader copies each view into place (what the shared README measured)
-        self.model_runner.get_model().load_weights(views())
-        how = "load_weights"
-    except AttributeError:  # layers whose params were repacked after loading (vLLM's CPU build): full reload path
-        self.model_runner.reload_weights(weights_iterator=views())
-        how = "reload_weights"
-    if flat.is_cuda:
-        _t.cuda.synchronize()
-    del flat
-    return how
-
-
 async def ipc_sync(ln, eng, version: int) -> dict:
-    """Learner -> engine through CUDA IPC (same GPU, engine worker in its own process): no host copy at all."""
-    from torch.multiprocessing.reductions import reduce_tensor
-
+    """rayrl's cuda_ipc strategy: the learner copies its weights into its persistent GPU buffer, the engine worker
+    loads from views of it (the IPC handle is opened on the first sync only, then cached)."""
     t0 = time.perf_counter()
-    flat, meta = ipc_state(ln)
+    handle = ln.ipc_handle()
     t1 = time.perf_counter()
-    fn, fargs = reduce_tensor(flat)
-    blob = pickle.dumps((fn, fargs, meta))
-    llm = eng._backend.llm
-    how = await llm.collective_rpc(_worker_load_ipc, args=(blob,))
-    await llm.reset_prefix_cache()
-    eng.version = version
+    await eng.load_ipc(handle, version)
     t2 = time.perf_counter()
-    nbytes = flat.numel() * flat.element_size()
-    del flat
-    return {"gather_s": t1 - t0, "load_s": t2 - t1, "total_s": t2 - t0, "bytes": nbytes, "how": how[0]}
+    return {"copy_s": t1 - t0, "load_s": t2 - t1, "total_s": t2 - t0, "bytes": ln._ipc.buf.numel()}
 
 
 async def rayrl_sync(ln, eng, version: int) -> dict:
+    """rayrl's object_store strategy: full state to CPU on the learner, a safetensors file in /dev/shm, reload."""
     t0 = time.perf_counter()
     packet = ln.weights(version)
     t1 = time.perf_counter()
@@ -232,13 +184,15 @@ async def rayrl_sync(ln, eng, version: int) -> dict:
     return {"weights_s": t1 - t0, "update_s": upd, "total_s": time.perf_counter() - t0, "bytes": packet.nbytes}
 
 
-async def sync_suite(ln, eng, ps, tag: str, reps: int = 3) -> None:
-    """Both sync paths, each after a real optimizer step (so the weights differ), with logprob agreement."""
+async def sync_suite(ln, eng, ps, tag: str, reps: int = 4) -> None:
+    """rayrl's object_store and cuda_ipc strategies, each after a real optimizer step (so the weights differ), with
+    logprob agreement. The first run of each is reported apart (cuda_ipc allocates its buffer and opens the
+    handle then); the median is over the later, steady-state runs."""
     out = {"model": tag}
     gens = [g for g in await _gen_all(eng, ps[:64], 64) if g.token_ids]
     step_batch = _batch([g.prompt_ids for g in gens], [g.token_ids for g in gens],
                         adv=[1.0 if i % 2 else -1.0 for i in range(len(gens))])
-    for path, fn in (("rayrl", rayrl_sync), ("ipc", ipc_sync)):
+    for path, fn in (("object_store", rayrl_sync), ("cuda_ipc", ipc_sync)):
         ts = []
         for r in range(reps):
             ln.train_step(step_batch)
@@ -247,11 +201,13 @@ async def sync_suite(ln, eng, ps, tag: str, reps: int = 3) -> None:
             ts.append(await fn(ln, eng, 100 + r))
         out[f"{path}_logprob"] = await logprob_agreement(eng, ln, ps[:32])
         out[f"{path}_runs"] = ts
-        out[f"{path}_total_s_median"] = sorted(t["total_s"] for t in ts)[len(ts) // 2]
-    nbytes = out["ipc_runs"][0]["bytes"]
+        steady = sorted(t["total_s"] for t in ts[1:])  # the first run sets up (cuda_ipc: buffer + handle)
+        out[f"{path}_first_s"] = ts[0]["total_s"]
+        out[f"{path}_total_s_median"] = steady[len(steady) // 2]
+    nbytes = out["cuda_ipc_runs"][0]["bytes"]
     out["d2d_copy_s"] = d2d_seconds(nbytes)
     out["bytes"] = nbytes
-    for path in ("rayrl", "ipc"):
+    for path in ("object_store", "cuda_ipc"):
         out[f"{path}_over_d2d"] = out[f"{path}_total_s_median"] / out["d2d_copy_s"]
     emit("sync", **out)
 
@@ -310,12 +266,13 @@ def make_qwen05(target: str, tok_from: str) -> str:
     return target
 
 
-def train_throughput(ln, seqs: int, seq_len: int, prompt_len: int, vocab: int, steps: int = 3) -> dict:
+def train_throughput(ln, lengths: list[int], prompt_len: int, vocab: int, steps: int = 3) -> dict:
+    """Optimizer steps on sequences of the given lengths (random tokens); FLOPs of the real tokens only."""
     vocab = min(vocab, ln.model.config.vocab_size)
     g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, vocab, (seqs, seq_len), generator=g).tolist()
+    ids = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
     b = _batch([s[:prompt_len] for s in ids], [s[prompt_len:] for s in ids],
-               adv=[1.0 if i % 2 else -1.0 for i in range(seqs)])
+               adv=[1.0 if i % 2 else -1.0 for i in range(len(ids))])
     cuda = torch.cuda.is_available()
     ln.train_step(b)  # warm-up
     if cuda:
@@ -329,9 +286,13 @@ def train_throughput(ln, seqs: int, seq_len: int, prompt_len: int, vocab: int, s
     dt = (time.perf_counter() - t0) / steps
     m = ln.model.config
     n_matmul = sum(p.numel() for n, p in ln.model.named_parameters() if "embed_tokens" not in n)
-    tokens = seqs * seq_len
-    flops = 6 * n_matmul * tokens + 6 * m.num_hidden_layers * m.hidden_size * seq_len * tokens  # causal attention
-    return {"seqs": seqs, "seq_len": seq_len, "micro_batch": ln.cfg.learner.micro_batch_size, "step_s": dt,
+    tokens = sum(lengths)
+    # 6 N per token for the matmuls, plus causal attention: 6 * layers * hidden * n^2 per sequence of n tokens
+    flops = 6 * n_matmul * tokens + sum(6 * m.num_hidden_layers * m.hidden_size * n * n for n in lengths)
+    lc = ln.cfg.learner
+    return {"seqs": len(lengths), "tokens": tokens, "len_min": min(lengths), "len_max": max(lengths),
+            "pack": lc.pack, "max_tokens_per_micro_batch": lc.max_tokens_per_micro_batch,
+            "micro_batch": lc.micro_batch_size, "attn": ln.model.config._attn_implementation, "step_s": dt,
             "tok_s": tokens / dt, "tflops": flops / dt / 1e12, "mfu": flops / dt / PEAK_BF16,
             "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None, "matmul_params": n_matmul}
 
@@ -343,24 +304,36 @@ async def part_sync05(args) -> None:
     path = make_qwen05("/tmp/rayrl-cache/qwen05-shape", small)
     ps = prompts(small, 64)
     ln, nparams, setup_s = _learner(path, lr=SYNC_LR)
-    args.eager = True  # sync and learner figures do not depend on CUDA graphs; skip their capture for a new model
+    args.eager = True  # sync figures do not depend on CUDA graphs; skip their capture for a new model
     eng, start_s = await _engine(path, args)
     await sync_suite(ln, eng, ps, "Qwen2.5-0.5B-shape(random)")
     await eng.shutdown()
-    for seqs, seq_len, micro in ((64, 1024, 8), (32, 2048, 4)):
-        try:
-            ln.cfg.learner.micro_batch_size = micro
-            emit("learner", model="Qwen2.5-0.5B-shape(random)", params=nparams,
-                 **train_throughput(ln, seqs, seq_len, 256, 151936))
-        except Exception as e:  # noqa: BLE001 - report and go on
-            emit("learner", model="Qwen2.5-0.5B-shape", error=repr(e)[:300], seqs=seqs, seq_len=seq_len)
     ln.shutdown()
+
+
+def part_learner(args) -> None:
+    """Learner throughput / MFU on the 0.5B shape: 64 sequences of 512-4096 tokens (prompt 256), right-padded
+    micro-batches (the old path) against padding-free packed rows (varlen flash attention) at two token budgets."""
+    from rayrl.models import resolve_model
+
+    path = make_qwen05("/tmp/rayrl-cache/qwen05-shape", resolve_model("smollm2"))
+    g = torch.Generator().manual_seed(1)
+    lengths = torch.randint(512, 4097, (64,), generator=g).tolist()
+    for pack, micro, budget in ((False, 4, 0), (True, 8, 16384), (True, 8, 32768)):
+        try:
+            ln, nparams, _ = _learner(path, lr=1e-6, micro=micro, pack=pack, budget=budget)
+            emit("learner", model="Qwen2.5-0.5B-shape(random)", params=nparams, **train_throughput(ln, lengths, 256, 151936))
+            ln.shutdown()
+            del ln
+            torch.cuda.empty_cache()
+        except Exception as e:  # noqa: BLE001 - report and go on
+            emit("learner", model="Qwen2.5-0.5B-shape", error=repr(e)[:300], pack=pack, budget=budget)
 
 
 def main() -> int:
     global OUT
     ap = argparse.ArgumentParser()
-    ap.add_argument("part", choices=["all", "ceil", "vllm", "engine", "sync05"])
+    ap.add_argument("part", choices=["all", "ceil", "vllm", "engine", "sync05", "learner"])
     ap.add_argument("--out", default=".")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--max-num-seqs", type=int, default=256)
@@ -368,7 +341,7 @@ def main() -> int:
     ap.add_argument("--eager", action="store_true", help="enforce_eager (no CUDA graphs) for both vLLM and Engine")
     ap.add_argument("--no-sync", action="store_true")
     ap.add_argument("--timeout", type=float, default=300, help="per part, when running all")
-    ap.add_argument("--parts", default="ceil,vllm,engine,sync05", help="which parts 'all' runs, in order")
+    ap.add_argument("--parts", default="ceil,vllm,engine,sync05,learner", help="which parts 'all' runs, in order")
     args = ap.parse_args()
     OUT = args.out
     os.makedirs(OUT, exist_ok=True)
@@ -389,6 +362,8 @@ def main() -> int:
         part_ceil(args)
     elif args.part == "vllm":
         part_vllm(args)
+    elif args.part == "learner":
+        part_learner(args)
     else:
         asyncio.run({"engine": part_engine, "sync05": part_sync05}[args.part](args))
     return 0

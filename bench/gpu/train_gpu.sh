@@ -3,6 +3,7 @@
 # (CUDA graphs, 0.4 GPU in Ray, 30% of the card's memory) and FSDP2 learner (nccl, 0.5 GPU) colocated; the engine
 # keeps its memory while the learner trains (no sleep mode). Validation: 256 held-out prompts every 5 steps.
 #   bash bench/gpu/train_gpu.sh OUTDIR [STEPS=40] [more overrides]
+#   JOB=jobs/retool_tiny.yaml bash bench/gpu/train_gpu.sh OUTDIR 8 ...   # another job file with the same GPU layout
 # Stops cleanly (SIGINT -> actors shut down) after TRAIN_TIMEOUT seconds (default 470); metrics.jsonl is per step.
 # Runs the rayrl that `python -m` finds first: the current directory's. To run a commit rather than a working tree
 # others are editing: git archive COMMIT rayrl | tar -x -C .gpu-head; cd .gpu-head; bash ../bench/gpu/train_gpu.sh
@@ -14,7 +15,7 @@ gpu() { echo "== nvidia-smi $1 $(date -u +%H:%M:%S)"; nvidia-smi --query-gpu=nam
 rm -rf /tmp/rayrl-train  # metrics.jsonl appends: start each run clean
 gpu before >> "$log"
 set -x
-timeout -s INT -k 30 "${TRAIN_TIMEOUT:-470}" python -m rayrl.train \
+timeout -s INT -k 30 "${TRAIN_TIMEOUT:-470}" python -m rayrl.train ${JOB:-} \
   model.dtype=bfloat16 \
   engine.gpus_per_engine=0.4 engine.gpu_memory_utilization=0.3 engine.enforce_eager=false engine.max_num_seqs=256 \
   learner.gpus_per_worker=0.5 learner.lr=2.0e-5 learner.micro_batch_size=32 \
@@ -28,6 +29,9 @@ set +x
 echo "== rayrl.train exit code $rc" >> "$log"
 sleep 3
 gpu after >> "$log"
+used=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | head -1)
+apps=$(nvidia-smi --query-compute-apps=pid --format=csv,noheader | wc -l)
+echo "== GPU after the run: ${used} MiB used, ${apps} compute processes ($([ "$apps" = 0 ] && echo clean || echo NOT CLEAN))" >> "$log"
 echo "== leftover ray/vllm processes:" >> "$log"; ps -eo pid,cmd | grep -E "ray::|raylet|gcs_server|EngineCore|VLLM" | grep -v grep >> "$log"
 cp /tmp/rayrl-train/metrics.jsonl "$out/" 2>/dev/null
 tail -n 60 "$log"

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import ray
 
+from rayrl import weight_sync
 from rayrl.config import EngineConfig
 from rayrl.types import Generation
 from rayrl.weights import WeightsPacket, unpack
@@ -59,12 +60,48 @@ class Engine:
         return Generation(prompt_ids=list(prompt_ids), token_ids=ids, logprobs=lps, finish_reason=finish,
                           policy_version=version)
 
+    # --- weights in (rayrl/weight_sync.py) ---
+
     async def update_weights(self, packet: WeightsPacket) -> float:
-        """Load a full state dict; returns the seconds it took."""
+        """object_store: load a full state dict; returns the seconds it took."""
+        return await self._sync(self._backend.load(unpack(packet)), packet.version, "object_store update")
+
+    async def load_ipc(self, handle: weight_sync.IpcHandle, version: int) -> float:
+        """cuda_ipc: load from learner rank 0's GPU buffer (opened once, then reused); returns the seconds."""
+        return await self._sync(self._vllm("cuda_ipc").load_ipc(handle), version, "cuda_ipc load")
+
+    async def join_weight_group(self, host: str, port: int, rank_offset: int, world_size: int, backend: str) -> None:
+        """broadcast: this engine's workers join learner rank 0's group as ranks rank_offset, rank_offset+1, ..."""
+        await self._sync(self._vllm("broadcast").join(host, port, rank_offset, world_size, backend), None,
+                         "joining the weight group")
+
+    async def receive_weights(self, version: int) -> float:
+        """broadcast: receive and load one sync's buckets (learner rank 0 sends at the same time)."""
+        return await self._sync(self._vllm("broadcast").receive(), version, "broadcast receive")
+
+    def weight_workers(self) -> int:
+        """Processes that hold a copy of the model (vLLM workers): each is one rank of the broadcast group."""
+        return self._vllm("broadcast").llm.vllm_config.parallel_config.world_size
+
+    def gpus(self) -> tuple[str, tuple[str, ...]]:
+        """(node id, GPU ids) of this engine, for engine.weight_sync=auto."""
+        return weight_sync.local_gpus()
+
+    async def _sync(self, work, version: int | None, what: str) -> float:
         t0 = time.perf_counter()
-        await asyncio.wait_for(self._backend.load(unpack(packet)), self.cfg.sync_timeout)
-        self.version = packet.version
+        try:
+            await asyncio.wait_for(work, self.cfg.sync_timeout)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"{self.name}: {what} timed out after engine.sync_timeout={self.cfg.sync_timeout:g}s") from None
+        if version is not None:
+            self.version = version
         return time.perf_counter() - t0
+
+    def _vllm(self, mode: str) -> _VLLM:
+        if not isinstance(self._backend, _VLLM):
+            raise RuntimeError(f"{self.name}: engine.weight_sync={mode} needs engine.backend=vllm "
+                               f"(backend {self.cfg.backend!r}, started: {self._backend is not None})")
+        return self._backend
 
     async def abort(self, request_id: str) -> None:
         """Stop a request (its client went away); its generate() returns what was sampled so far."""
@@ -108,8 +145,11 @@ class _VLLM:
         args = AsyncEngineArgs(model=self.eng.model_path, dtype=self.eng.dtype, seed=self.eng.seed,
                                max_model_len=cfg.max_model_len, enforce_eager=cfg.enforce_eager,
                                max_num_seqs=cfg.max_num_seqs, enable_prefix_caching=True,
-                               gpu_memory_utilization=cfg.gpu_memory_utilization, max_logprobs=1)
+                               gpu_memory_utilization=cfg.gpu_memory_utilization, max_logprobs=1,
+                               # cuda_ipc / broadcast receive inside the worker process, by method name
+                               worker_extension_cls="rayrl.weight_sync.WorkerExtension")
         self.llm = AsyncLLM.from_engine_args(args)
+        self._ipc_opened: str | None = None  # the learner buffer the workers hold open (cuda_ipc)
 
     async def generate(self, prompt_ids, s: Sampling, request_id):
         from vllm import SamplingParams
@@ -148,6 +188,22 @@ class _VLLM:
             await self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
         finally:
             os.remove(path)
+
+    async def load_ipc(self, h: weight_sync.IpcHandle) -> None:
+        # The handle and the layout cross once; later syncs send only the buffer's id.
+        first = self._ipc_opened != h.buffer_id
+        await self.llm.collective_rpc("rayrl_ipc_load", args=(h.buffer_id, h.blob if first else None,
+                                                              h.slots if first else None, h.device_uuid))
+        self._ipc_opened = h.buffer_id
+        await self.llm.reset_prefix_cache()
+
+    async def join(self, host: str, port: int, rank_offset: int, world_size: int, backend: str) -> None:
+        await self.llm.collective_rpc("rayrl_join_group", args=(host, port, rank_offset, world_size, backend,
+                                                                self.eng.cfg.sync_timeout))
+
+    async def receive(self) -> None:
+        await self.llm.collective_rpc("rayrl_receive")
+        await self.llm.reset_prefix_cache()
 
     def shutdown(self) -> None:
         self.llm.shutdown()

@@ -18,7 +18,7 @@ import ray
 import torch
 import torch.distributed as dist
 
-from rayrl import algos
+from rayrl import algos, attention, weight_sync
 from rayrl.config import Config
 from rayrl.types import StepStats, TrainBatch
 from rayrl.weights import WeightsPacket, pack
@@ -53,8 +53,10 @@ class Learner:
                                     rank=self.rank, world_size=self.world_size, timeout=datetime.timedelta(minutes=30))
         torch.manual_seed(self.cfg.trainer.seed + self.rank)
         dtype = getattr(torch, self.cfg.model.dtype)
-        # Master weights in fp32; bf16 only for compute (mixed precision) when asked.
-        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32)
+        # Master weights in fp32; bf16 only for compute (mixed precision) when asked. Packed rows on GPU attend
+        # through varlen flash attention (rayrl.attention); elsewhere transformers' default (sdpa) masks them.
+        attn = attention.register() if self.use_cuda and self.cfg.learner.pack else None
+        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32, attn_implementation=attn)
         if model.config.tie_word_embeddings:
             raise ValueError(f"model.path={self.model_path!r} has tied embeddings: engines cannot reload a tied "
                              "lm_head; untie it (see rayrl.models.convert_smollm2)")
@@ -70,7 +72,8 @@ class Learner:
         self.model = model
         self.ref = None
         if self.cfg.algo.use_kl_loss:  # a frozen copy of the initial policy, sharded the same way
-            ref = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32).to(self.device).eval()
+            ref = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32,
+                                                       attn_implementation=attn).to(self.device).eval()
             ref.requires_grad_(False)
             for layer in ref.model.layers:
                 fully_shard(layer, mp_policy=mp)
@@ -83,46 +86,82 @@ class Learner:
 
     # --- training --------------------------------------------------------------------------------
 
-    def _micro_batches(self, batch: TrainBatch):
-        mb = self.cfg.learner.micro_batch_size
-        for i in range(0, len(batch), mb):
-            yield i, min(i + mb, len(batch))
+    def _micro_batches(self, batch: TrainBatch) -> list[list[int]]:
+        """Indices of `batch`'s sequences, one list per forward/backward: packed by token budget when
+        `learner.max_tokens_per_micro_batch` > 0, else `micro_batch_size` sequences in order. Every rank gets
+        the same number (FSDP's forward and backward are collectives)."""
+        lc = self.cfg.learner
+        if lc.max_tokens_per_micro_batch <= 0:
+            mb = lc.micro_batch_size
+            return [list(range(i, min(i + mb, len(batch)))) for i in range(0, len(batch), mb)]
+        lengths = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids)]
+        n = len(token_budget_bins(lengths, lc.max_tokens_per_micro_batch))
+        if self.world_size > 1:  # the driver gives every rank as many sequences, so every rank can split to the max
+            count = torch.tensor([n], device=self.device)
+            dist.all_reduce(count, op=dist.ReduceOp.MAX)
+            n = int(count.item())
+        return token_budget_bins(lengths, lc.max_tokens_per_micro_batch, min_bins=n)
 
-    def _logprobs(self, batch: TrainBatch, lo: int, hi: int, model=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Log-probs of the response tokens of sequences [lo, hi), right-padded to [b, T_resp]."""
-        pad = 0
-        seqs = [p + r for p, r in zip(batch.prompt_ids[lo:hi], batch.response_ids[lo:hi])]
-        longest = max(len(s) for s in seqs)
-        ids = torch.full((len(seqs), longest), pad, dtype=torch.long)
-        attn = torch.zeros_like(ids)
-        for j, s in enumerate(seqs):
-            ids[j, : len(s)] = torch.tensor(s)
-            attn[j, : len(s)] = 1
-        ids, attn = ids.to(self.device), attn.to(self.device)
-        logits = (model or self.model)(input_ids=ids, attention_mask=attn).logits.float()
-        logits = logits / self.cfg.rollout.temperature  # the distribution the tokens were sampled from
-        t_resp = max(len(r) for r in batch.response_ids[lo:hi])
-        out = torch.zeros(len(seqs), t_resp, device=self.device)
-        mask = torch.zeros(len(seqs), t_resp, device=self.device)
-        adv = torch.zeros(len(seqs), t_resp, device=self.device)
-        for j in range(len(seqs)):
-            p, n = len(batch.prompt_ids[lo + j]), len(batch.response_ids[lo + j])
-            # logits at position t predict token t+1: the response's tokens are predicted by [p-1, p+n-1)
-            lg = logits[j, p - 1 : p + n - 1]
-            tgt = ids[j, p : p + n]
-            out[j, :n] = lg.gather(-1, tgt[:, None])[:, 0] - torch.logsumexp(lg, -1)
-            mask[j, :n] = torch.tensor(batch.loss_mask[lo + j], dtype=torch.float32, device=self.device)
-            adv[j, :n] = torch.tensor(batch.advantages[lo + j], dtype=torch.float32, device=self.device)
-        return out, mask, adv
+    def _logprobs(self, batch: TrainBatch, idx: list[int], model=None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Log-probs of the response tokens of sequences `idx`, with their loss mask and advantages, each
+        right-padded to [len(idx), T_resp] (zeros after each response) as rayrl.algos wants them."""
+        model = model or self.model
+        prompts, resps = [batch.prompt_ids[i] for i in idx], [batch.response_ids[i] for i in idx]
+        # logits at position t predict token t+1: a response of n tokens after a prompt of p is predicted by [p-1, p+n-1)
+        if self.cfg.learner.pack:
+            # One row, no padding: positions restart at 0 at each sequence, which transformers reads as packed
+            # sequences (block-diagonal causal mask for sdpa/eager, varlen for flash attention).
+            lengths = [len(p) + len(r) for p, r in zip(prompts, resps)]
+            ids = torch.tensor([[t for p, r in zip(prompts, resps) for t in p + r]], device=self.device)
+            pos = torch.tensor([[j for n in lengths for j in range(n)]], device=self.device)
+            bounds = [0, *np.cumsum(lengths).tolist()]  # where each sequence starts, and the end
+            keep = torch.tensor([s + len(p) - 1 + k for s, p, r in zip(bounds, prompts, resps) for k in range(len(r))],
+                                device=self.device)
+            # Sequence boundaries for flash attention's varlen kernel, which otherwise derives them from position_ids
+            # in every layer (the other attention implementations ignore them).
+            cu = torch.tensor(bounds, dtype=torch.int32, device=self.device)
+            varlen = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max(lengths), "max_length_k": max(lengths)}
+            # logits_to_keep: the lm_head runs on the response-predicting positions only, [N_resp, V] not [T, V].
+            # use_cache=False: with a KV cache transformers ignores the packing (the reference model keeps use_cache).
+            logits = model(input_ids=ids, position_ids=pos, logits_to_keep=keep, use_cache=False, **varlen).logits[0]
+        else:  # right-padded to the longest sequence, full logits (the pre-packing path, kept for comparison)
+            longest = max(len(p) + len(r) for p, r in zip(prompts, resps))
+            ids = torch.zeros(len(idx), longest, dtype=torch.long)
+            attn = torch.zeros_like(ids)
+            for j, (p, r) in enumerate(zip(prompts, resps)):
+                ids[j, : len(p) + len(r)] = torch.tensor(p + r)
+                attn[j, : len(p) + len(r)] = 1
+            rows = [j for j, r in enumerate(resps) for _ in r]
+            cols = [len(p) - 1 + k for p, r in zip(prompts, resps) for k in range(len(r))]
+            logits = model(input_ids=ids.to(self.device), attention_mask=attn.to(self.device)).logits[rows, cols]
+        targets = torch.tensor([t for r in resps for t in r], device=self.device)
+        # temperature: the distribution the tokens were sampled from
+        lp = token_logprobs(logits, targets, self.cfg.rollout.temperature)
+        t_resp = max(len(r) for r in resps)
+        rows = torch.tensor([j for j, r in enumerate(resps) for _ in r], device=self.device)
+        cols = torch.tensor([k for r in resps for k in range(len(r))], device=self.device)
+        out = torch.zeros(len(idx), t_resp, device=self.device).index_put((rows, cols), lp)
+        return (out, self._padded([batch.loss_mask[i] for i in idx], t_resp),
+                self._padded([batch.advantages[i] for i in idx], t_resp))
+
+    def _padded(self, rows: list[list[float]], width: int) -> torch.Tensor:
+        return torch.tensor([list(r) + [0.0] * (width - len(r)) for r in rows], dtype=torch.float32, device=self.device)
+
+    def _clock(self) -> float:
+        """Wall-clock time for the trace's learner spans; on GPU after the queued kernels ran (only when tracing)."""
+        if self.use_cuda and self.cfg.trainer.trace:
+            torch.cuda.synchronize()
+        return time.time()
 
     @torch.no_grad()
     def compute_logprobs(self, batch: TrainBatch) -> list[list[float]]:
         """Current policy's log-probs of every response token (for old-logprob recompute and for tests)."""
         self.model.eval()
-        res = []
-        for lo, hi in self._micro_batches(batch):
-            lp, _, _ = self._logprobs(batch, lo, hi)
-            res += [lp[j, : len(batch.response_ids[lo + j])].tolist() for j in range(hi - lo)]
+        res: list[list[float]] = [[] for _ in range(len(batch))]
+        for idx in self._micro_batches(batch):
+            lp = self._logprobs(batch, idx)[0].cpu()
+            for j, i in enumerate(idx):
+                res[i] = lp[j, : len(batch.response_ids[i])].tolist()
         return res
 
     def train_step(self, batch: TrainBatch, old_logprobs: list[list[float]] | None = None) -> StepStats:
@@ -132,47 +171,57 @@ class Learner:
         is the current one, so old = current.detach() and the ratio is exactly 1 — the recompute would be
         a second identical forward pass.
         """
-        t0 = time.perf_counter()
+        t0, start = time.perf_counter(), time.time()
         self.model.train()
         self.optim.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
-        for lo, hi in self._micro_batches(batch):
-            lp, mask, adv = self._logprobs(batch, lo, hi)
-            if old_logprobs is None:
-                old = lp.detach()
-            else:
-                old = torch.zeros_like(lp)
-                for j in range(hi - lo):
-                    o = old_logprobs[lo + j]
-                    old[j, : len(o)] = torch.tensor(o, device=self.device)
+        events: list[dict] = []  # forward / backward per micro-batch, then the optimizer step: spans for the trace
+
+        def event(name: str, s: float, e: float, **args) -> None:
+            events.append({"name": name, "start": s, "end": e, "rank": self.rank, "args": args})
+
+        for k, idx in enumerate(self._micro_batches(batch)):
+            f0 = time.time()
+            lp, mask, adv = self._logprobs(batch, idx)
+            old = lp.detach() if old_logprobs is None else self._padded([old_logprobs[i] for i in idx], lp.shape[1])
             # Normalised by mini-batch-wide counts, so summing micro-batches and averaging ranks (FSDP) gives
             # exactly the mini-batch loss (see rayrl.algos).
             ref = None
             if self.ref is not None:
                 with torch.no_grad():
-                    ref = self._logprobs(batch, lo, hi, model=self.ref)[0]
+                    ref = self._logprobs(batch, idx, model=self.ref)[0]
             loss, metrics = algos.policy_loss(old, lp, adv, mask, self.cfg.algo, ref_logprobs=ref,
                                               global_token_count=batch.global_tokens,
                                               global_seq_count=batch.global_seqs, dp_size=self.world_size,
                                               loss_scale_factor=self.cfg.rollout.max_response_length)
+            f1 = self._clock()
             loss.backward()
+            b1 = self._clock()
+            tokens = sum(len(batch.prompt_ids[i]) + len(batch.response_ids[i]) for i in idx)
+            event("forward", f0, f1, micro_batch=k, sequences=len(idx), tokens=tokens)
+            event("backward", f1, b1, micro_batch=k, sequences=len(idx), tokens=tokens)
             share = mask.sum().item() / max(batch.global_tokens, 1)  # weight of this micro-batch's token means
             sums["loss"] = sums.get("loss", 0.0) + loss.item() / self.world_size
-            for k in ("pg_clipfrac", "ppo_kl"):
-                sums[k] = sums.get(k, 0.0) + float(metrics[k]) * share
+            for key in ("pg_clipfrac", "ppo_kl"):
+                sums[key] = sums.get(key, 0.0) + float(metrics[key]) * share
             if "kl_loss" in metrics:  # already this micro-batch's share of the mini-batch value
                 sums["kl_loss"] = sums.get("kl_loss", 0.0) + float(metrics["kl_loss"]) / self.world_size
+        o0 = time.time()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.learner.grad_clip)
         grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
         if np.isfinite(grad_norm):
             self.optim.step()
         else:
             self.optim.zero_grad(set_to_none=True)  # skip a step whose gradients overflowed
+        end = self._clock()
+        event("optimizer_step", o0, end, grad_norm=grad_norm)
+        event("train_step", start, end, sequences=len(batch))
         # loss, pg_clipfrac, ppo_kl are this rank's shares of the mini-batch values: the driver sums over ranks
         return StepStats(loss=sums.get("loss", 0.0), pg_clipfrac=sums.get("pg_clipfrac", 0.0),
                          ppo_kl=sums.get("ppo_kl", 0.0), grad_norm=grad_norm, entropy=0.0,
                          num_tokens=int(sum(sum(m) for m in batch.loss_mask)), seconds=time.perf_counter() - t0,
-                         extra={k: v for k, v in sums.items() if k not in ("loss", "pg_clipfrac", "ppo_kl")})
+                         extra={k: v for k, v in sums.items() if k not in ("loss", "pg_clipfrac", "ppo_kl")},
+                         events=events)
 
     # --- weights out -----------------------------------------------------------------------------
 
@@ -189,6 +238,42 @@ class Learner:
             return None
         dtype = getattr(torch, self.cfg.model.dtype)
         return pack({k: v.to(dtype) for k, v in state.items()}, version)
+
+    # The other strategies (rayrl/weight_sync.py) gather one full tensor at a time on the device instead of
+    # get_model_state_dict's cpu_offload path: every rank calls, rank 0 copies each tensor where it goes.
+
+    def gpus(self) -> tuple[str, tuple[str, ...]]:
+        """(node id, GPU ids) of this rank, for engine.weight_sync=auto."""
+        return weight_sync.local_gpus()
+
+    def ipc_handle(self) -> weight_sync.IpcHandle | None:
+        """cuda_ipc: the weights copied into rank 0's persistent GPU buffer; its handle on rank 0 (None elsewhere)."""
+        dtype = getattr(torch, self.cfg.model.dtype)
+        tensors = weight_sync.full_tensors(self.model, dtype)
+        if self.rank != 0:
+            for _ in tensors:  # take part in each all-gather
+                pass
+            return None
+        if getattr(self, "_ipc", None) is None:  # allocated once; the engines keep it open
+            self._ipc = weight_sync.IpcSender(self.model, dtype, self.device)
+        return self._ipc.update(tensors)
+
+    def join_weight_group(self, host: str, port: int, world_size: int, backend: str) -> None:
+        """broadcast: rank 0 becomes rank 0 of the learner -> engines group (the engines join at the same time)."""
+        e = self.cfg.engine
+        self._bcast = weight_sync.BroadcastSender(self.model, getattr(torch, self.cfg.model.dtype), e.sync_bucket_mb << 20,
+                                                  host, port, world_size, backend, e.sync_timeout)
+
+    def send_weights(self) -> None:
+        """broadcast: every rank gathers each full tensor; rank 0 broadcasts them in buckets."""
+        tensors = weight_sync.full_tensors(self.model, getattr(torch, self.cfg.model.dtype))
+        if self.rank != 0:
+            for _ in tensors:
+                pass
+            return
+        if getattr(self, "_bcast", None) is None:
+            raise RuntimeError("learner/0: engine.weight_sync=broadcast but the weight group was never joined")
+        self._bcast.send(tensors)
 
     def export_hf(self, out_dir: str) -> str | None:
         """Write the policy as a Hugging Face folder (config, safetensors, tokenizer, chat template)."""
@@ -243,6 +328,67 @@ class Learner:
     def shutdown(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def token_budget_bins(lengths: list[int], budget: int, min_bins: int = 0) -> list[list[int]]:
+    """Indices of `lengths` grouped so that each group's total is <= `budget` (a longer sequence gets a group of
+    its own), first-fit decreasing; then the fullest groups are halved until there are `min_bins` of them (at
+    most one per sequence). Indices ascend within a group."""
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        k = next((k for k, load in enumerate(loads) if load + lengths[i] <= budget), len(bins))
+        if k == len(bins):
+            bins.append([])
+            loads.append(0)
+        bins[k].append(i)
+        loads[k] += lengths[i]
+    while len(bins) < min(min_bins, len(lengths)):
+        k = max((k for k in range(len(bins)) if len(bins[k]) > 1), key=lambda k: loads[k])
+        halves: tuple[list[int], list[int]] = ([], [])
+        for i in sorted(bins.pop(k), key=lambda i: -lengths[i]):  # longest first, each to the lighter half
+            min(halves, key=lambda h: sum(lengths[j] for j in h)).append(i)
+        loads.pop(k)
+        bins += halves
+        loads += [sum(lengths[j] for j in h) for h in halves]
+    return [sorted(b) for b in bins]
+
+
+LOGPROB_CHUNK = 4096  # rows of fp32 [rows, vocab] at a time in token_logprobs (2.5 GB for a 151k vocabulary)
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log_softmax(logits / temperature)[n, targets[n]] in fp32 for [N, V] logits of any dtype.
+
+    Same values as `(logits.float() / t).log_softmax(-1).gather(...)`, but the fp32 copy exists LOGPROB_CHUNK rows
+    at a time, in backward too (which recomputes the softmax), instead of [N, V] fp32 held for autograd."""
+    return _TokenLogprobs.apply(logits, targets, temperature)
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+        out = torch.empty(len(targets), dtype=torch.float32, device=logits.device)
+        lse = torch.empty_like(out)
+        for s in range(0, len(targets), LOGPROB_CHUNK):
+            lg = logits[s : s + LOGPROB_CHUNK].float() / temperature
+            lse[s : s + LOGPROB_CHUNK] = torch.logsumexp(lg, -1)
+            out[s : s + LOGPROB_CHUNK] = lg.gather(-1, targets[s : s + LOGPROB_CHUNK, None])[:, 0] - lse[s : s + LOGPROB_CHUNK]
+        ctx.save_for_backward(logits, targets, lse)
+        ctx.temperature = temperature
+        return out
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        logits, targets, lse = ctx.saved_tensors
+        grad_logits = torch.empty_like(logits)
+        for s in range(0, len(targets), LOGPROB_CHUNK):
+            g = grad[s : s + LOGPROB_CHUNK, None]
+            # d logprob / d scaled logits = onehot(target) - softmax
+            d = torch.exp(logits[s : s + LOGPROB_CHUNK].float() / ctx.temperature - lse[s : s + LOGPROB_CHUNK, None]) * -g
+            d.scatter_add_(-1, targets[s : s + LOGPROB_CHUNK, None], g)
+            grad_logits[s : s + LOGPROB_CHUNK] = (d / ctx.temperature).to(logits.dtype)
+        return grad_logits, None, None
 
 
 def _replace_dir(tmp: str, final: str) -> None:

@@ -16,6 +16,7 @@ import httpx
 import ray
 
 from rayrl.actors.gateway import SessionRecord
+from rayrl.actors.sandbox import ActorSandbox
 from rayrl.agent import TaskContext, session_client
 from rayrl.config import Config, check_callable
 from rayrl.types import Task, Trajectory
@@ -24,8 +25,10 @@ from rayrl.types import Task, Trajectory
 class RolloutWorker:
     """Plain class; `RolloutActor` below is the Ray actor."""
 
-    def __init__(self, worker_id: str, cfg: Config, model_path: str, queue, gateway, reward):
+    def __init__(self, worker_id: str, cfg: Config, model_path: str, queue, gateway, reward, sandboxes=()):
         self.worker_id, self.cfg, self.queue, self.gateway, self.reward = worker_id, cfg, queue, gateway, reward
+        self.sandboxes = [ActorSandbox(h) for h in sandboxes]  # shared SandboxActors; episodes take turns
+        self.episodes = 0
         self.agent_fn = check_callable(cfg.rollout.agent, "rollout.agent")
         self._http, self._http_loop = None, None
         self.running = False
@@ -76,7 +79,10 @@ class RolloutWorker:
         except Exception as e:  # noqa: BLE001 - the gateway died or hung: a failed trajectory, the lease is acked
             return self._trajectory(task, SessionRecord("", task.task_id), t0=t0, error=f"gateway: {_describe(e)}")
         llm = session_client(base_url, key, self.cfg.gateway.model_name, self.cfg.gateway.request_timeout, self._client())
-        ctx = TaskContext(task=task, llm=llm, run_config=self.cfg, session_id=sid, base_url=base_url, api_key=key)
+        self.episodes += 1
+        sandbox = self.sandboxes[self.episodes % len(self.sandboxes)] if self.sandboxes else None
+        ctx = TaskContext(task=task, llm=llm, run_config=self.cfg, session_id=sid, base_url=base_url, api_key=key,
+                          sandbox=sandbox)
         out, error = None, None
         try:
             out = await asyncio.wait_for(self.agent_fn(ctx, r.agent_config), r.agent_timeout)
@@ -94,11 +100,13 @@ class RolloutWorker:
             return self._trajectory(task, rec, error=error, t0=t0)
         t_agent = time.perf_counter()
         reward, error = out.get("reward"), None
+        metadata = dict(out.get("metadata") or {})
         if rec.num_turns == 0:
             error = "the agent made no LLM call: nothing to train on"
         elif reward is None:
+            w0 = time.time()
             reward, error = await self._score(task, out.get("answer"))
-        metadata = dict(out.get("metadata") or {})
+            metadata.setdefault("events", []).append({"name": "reward", "start": w0, "end": time.time()})
         if rec.parse_errors:
             metadata.setdefault("tool_parse_errors", rec.parse_errors)
         return self._trajectory(task, rec, reward=reward, error=error, answer=out.get("answer"),
@@ -136,6 +144,9 @@ class RolloutWorker:
         events = [{"name": "llm", "start": t.start, "end": t.end,
                    "args": {"completion_tokens": len(t.token_ids), "env_tokens": t.env_len, "tool_calls": t.tool_calls}}
                   for t in s.turns]
+        # the agent's own spans (tool calls, sandbox runs) and the reward's; the Gateway's record has the LLM calls
+        events += [e for e in (metadata or {}).pop("events", []) if isinstance(e, dict) and e.get("name") != "llm"
+                   and isinstance(e.get("start"), float) and isinstance(e.get("end"), float)]
         return Trajectory(task_id=task.task_id, group_id=task.group_id, step=task.step, data_source=task.data_source,
                           prompt_ids=s.prompt_ids, response_ids=s.response_ids, loss_mask=s.loss_mask,
                           logprobs=s.logprobs, reward=None if reward is None else float(reward), answer=answer,

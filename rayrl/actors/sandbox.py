@@ -6,13 +6,15 @@ One interface, two backends:
     result = await pool.run("print(1 + 1)")       # ExecResult(stdout="2\\n", stderr="", exit_code=0, ...)
     await pool.close()
 
-- `local` (default): every run is a fresh process (`python -S`, no site import: ~8 ms instead of ~30 ms to
-  start here) with rlimits, a wall-clock timeout that kills the whole process group, an empty environment, and,
-  where the OS allows it (root, or unprivileged user namespaces), new network + mount namespaces: no network,
-  a read-only root filesystem, private tmpfs over /tmp, /var/tmp, /dev/shm and the home directories, and (as
-  root) a uid of its own per concurrency slot, so the run cannot signal the host's processes and a fork bomb
-  hits RLIMIT_NPROC. What is and is not isolated: docs/sandbox.md. Runs are stateless (no session: every call
-  starts from nothing).
+- `local` (default): every run is a fresh process with rlimits, a wall-clock timeout that kills the whole process
+  group, an empty environment, and, where the OS allows it (root, or unprivileged user namespaces), new network
+  + mount namespaces: no network, a read-only root filesystem, private tmpfs over /tmp, /var/tmp, /dev/shm and
+  the home directories, and (as root) a uid of its own per concurrency slot, so the run cannot signal the host's
+  processes and a fork bomb hits RLIMIT_NPROC. The process is forked from a per-slot zygote
+  (rayrl/actors/sandbox_zygote.py: an interpreter started clean, numpy imported, already in the network
+  namespace), so a run costs a fork instead of an interpreter start and a network namespace; where the zygote
+  cannot start, each run spawns `python -S` (no site import) instead. What is and is not isolated:
+  docs/sandbox.md. Runs are stateless (no session: every call starts from nothing).
 - `e2b`: the `e2b-code-interpreter` SDK (E2B cloud, or Tencent Agent Sandbox with `e2b_domain`), sandboxes
   created on demand, reused from a pool and killed on `close()`; the API key comes from the env var named by
   `e2b_api_key_env` and is masked in error texts. Jupyter-backed, so state persists between
@@ -26,12 +28,14 @@ Back-pressure: at most `max_concurrency` runs at once, at most `max_queue` waiti
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import dataclasses
+import json
+import logging
 import os
 import resource
 import shutil
 import signal
+import socket
 import sys
 import sysconfig
 import tempfile
@@ -39,19 +43,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-# Linux clone/mount flags (not in Python 3.11's os module).
-_CLONE_NEWNS = 0x00020000
-_CLONE_NEWUSER = 0x10000000
-_CLONE_NEWNET = 0x40000000
-_MS_RDONLY = 1
-_MS_NOSUID = 2
-_MS_NODEV = 4
-_MS_REMOUNT = 32
-_MS_BIND = 4096
-_MS_REC = 16384
-_MS_PRIVATE = 1 << 18
+from rayrl.actors import sandbox_zygote as _zygote
 
-_LANGUAGES = {"python": "main.py", "bash": "main.sh"}
+logger = logging.getLogger(__name__)
+_LANGUAGES = _zygote.SCRIPTS
 
 
 class SandboxFull(RuntimeError):
@@ -96,6 +91,8 @@ class SandboxConfig:
     uid_base: int = 61000  # as root, each slot runs as a uid of its own from [uid_base, uid_base + uid_range)
     uid_range: int = 4096  # uids shared by all pools on the machine; each pool claims its own with a lock file
     python: str = sys.executable
+    zygote: bool = True  # fork each run from a warm per-slot helper process; False: spawn a new interpreter per run
+    preload: list[str] = field(default_factory=lambda: ["numpy"])  # imported once by each zygote (if installed)
     env: dict[str, str] = field(default_factory=dict)  # extra environment variables for the runs
     # e2b backend (seed 001's e2b_code_tool_config.yaml)
     e2b_domain: str | None = None  # e.g. "ap-shanghai.tencentags.com" (Tencent AGS); None = E2B's default
@@ -199,7 +196,7 @@ class _LocalBackend:
     def __init__(self, config: SandboxConfig) -> None:
         self.config = config
         self.is_root = os.geteuid() == 0
-        self.isolation = _probe_isolation(config)
+        self.isolation = dict(_probe_isolation(config))  # a copy: the zygote state is this pool's
         self.python = os.path.realpath(config.python)
         self._uids: list[int] | None = None  # claimed on first run
         self._uid_locks: list[int] = []
@@ -209,6 +206,11 @@ class _LocalBackend:
         paths = sysconfig.get_paths()
         self.pythonpath = os.pathsep.join(dict.fromkeys(p for p in (paths["purelib"], paths["platlib"])
                                                           if os.path.isdir(p)))
+        # Zygotes (one per slot, started on the slot's first run). In a user namespace (not root) a forked child
+        # would keep the namespace's capabilities, which only exec drops: there every run is spawned.
+        self.use_zygote = config.zygote and not self.isolation["userns"]
+        self._zygotes: dict[int, _Zygote] = {}
+        self.isolation["zygote"] = self.use_zygote
 
     def _env(self, home: str) -> dict[str, str]:
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": home, "TMPDIR": home, "LANG": "C.UTF-8",
@@ -218,6 +220,13 @@ class _LocalBackend:
                "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
         env.update(self.config.env)
         return env
+
+    def _limits(self) -> dict[str, Any]:
+        """What the process side (sandbox_zygote.py) needs of the config."""
+        c = self.config
+        return {"cpu_seconds": c.cpu_seconds, "memory_mb": c.memory_mb, "max_file_mb": c.max_file_mb,
+                "max_open_files": c.max_open_files, "max_processes": c.max_processes, "tmpfs_mb": c.tmpfs_mb,
+                "hide_paths": list(c.hide_paths)}
 
     async def run(self, code: str, language: str, timeout: float, slot: int) -> ExecResult:
         if language not in _LANGUAGES:
@@ -234,15 +243,80 @@ class _LocalBackend:
                 os.chown(script, uid, uid)
             os.chmod(workdir, 0o700)
             home = "/tmp/work" if self.isolation["mount"] else workdir
+            zygote = await self._zygote(slot) if self.use_zygote else None
+            if zygote is not None:
+                request = {"language": language, "workdir": workdir, "uid": uid, "env": self._env(home)}
+                return await self._fork(zygote, request, timeout)
             argv = ([self.python, "-S", "-s", _LANGUAGES[language]] if language == "python"
                     else ["/bin/bash", _LANGUAGES[language]])
-            preexec = _Preexec(self.config, workdir, uid, self.isolation, self.keep)
+            preexec = _Preexec(self._limits(), workdir, uid, self.isolation, self.keep)
             return await self._spawn(argv, preexec, self._env(home), timeout)
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
 
+    async def _zygote(self, slot: int) -> _Zygote | None:
+        """The slot's zygote, (re)started if it is not running; None (and spawning from now on) if it cannot start."""
+        z = self._zygotes.get(slot)
+        if z is not None and z.alive():
+            return z
+        if z is not None:
+            z.close()
+        cfg = {**self._limits(), "isolation": self.isolation, "keep": self.keep, "preload": list(self.config.preload)}
+        env = self._env("/tmp/work" if self.isolation["mount"] else "/")
+        try:
+            z = await asyncio.get_running_loop().run_in_executor(None, _Zygote, self.python, env, cfg)
+        except Exception as e:  # noqa: BLE001 - any failure: fall back to one new interpreter per run
+            logger.warning("sandbox: the zygote cannot start (%s: %s); spawning a new interpreter per run instead",
+                           type(e).__name__, e)
+            self.use_zygote = self.isolation["zygote"] = False
+            self.isolation["reason"] += f"; no zygote: {type(e).__name__}: {e}"
+            return None
+        self._zygotes[slot] = z
+        return z
+
+    async def _fork(self, zygote: _Zygote, request: dict, timeout: float) -> ExecResult:
+        start = time.perf_counter()
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        loop = asyncio.get_running_loop()
+        try:
+            zygote.send(json.dumps(request).encode(), [out_w, err_w])
+        except OSError as e:
+            for fd in (out_r, out_w, err_r, err_w):
+                os.close(fd)
+            zygote.close()
+            return ExecResult("", "", None, time.perf_counter() - start, f"sandbox zygote died: {e}")
+        os.close(out_w)
+        os.close(err_w)
+        streams, transports = [], []
+        for fd in (out_r, err_r):
+            reader = asyncio.StreamReader(limit=1 << 20)
+            transport, _ = await loop.connect_read_pipe(lambda r=reader: asyncio.StreamReaderProtocol(r),
+                                                        os.fdopen(fd, "rb", buffering=0))
+            streams.append(reader)
+            transports.append(transport)
+        reply_task = asyncio.ensure_future(zygote.reply())
+        try:
+            # asyncio.wait: the end of the run (a reply, or the zygote's death), which a timeout does not cancel
+            out, err, over, error = await self._supervise(streams, asyncio.wait({reply_task}), zygote.kill, timeout)
+            try:
+                reply = await asyncio.wait_for(reply_task, 5.0)  # killed: the zygote reaps it and replies
+            except (TimeoutError, OSError) as e:
+                zygote.close()
+                return ExecResult(bytes(out).decode("utf-8", "replace"), bytes(err).decode("utf-8", "replace"), None,
+                                  time.perf_counter() - start, f"sandbox zygote died during the run: {e}")
+        finally:
+            if not reply_task.done():  # cancelled mid-run: the zygote is still busy with it, so end both (EOF kills
+                zygote.close()         # the run's group); the slot's next run starts a new zygote
+            reply_task.cancel()
+            for t in transports:
+                t.close()
+        if reply.get("setup_error"):
+            return ExecResult("", "", None, time.perf_counter() - start,
+                              f"sandbox failed to start: {reply['setup_error']}")
+        return self._result(out, err, over, error, reply["status"], time.perf_counter() - start)
+
     async def _spawn(self, argv: list[str], preexec: _Preexec, env: dict[str, str], timeout: float) -> ExecResult:
-        limit = self.config.max_output_bytes
         start = time.perf_counter()
         try:
             proc = await asyncio.create_subprocess_exec(
@@ -251,6 +325,18 @@ class _LocalBackend:
         except Exception as e:  # noqa: BLE001 - preexec failures arrive as SubprocessError
             return ExecResult("", "", None, time.perf_counter() - start,
                               f"sandbox failed to start: {type(e).__name__}: {e}")
+        out, err, over, error = await self._supervise([proc.stdout, proc.stderr], _exited(proc),
+                                                      lambda: _killpg(proc.pid), timeout)
+        try:
+            code = await asyncio.wait_for(proc.wait(), 2.0)
+        except TimeoutError:  # proc.wait() also waits for the pipes; the exit status is known already
+            code = proc.returncode
+        return self._result(out, err, over, error, code, time.perf_counter() - start)
+
+    async def _supervise(self, streams: list[asyncio.StreamReader], exited, kill, timeout: float):
+        """Read stdout/stderr up to the output limit (past it: `kill()`) until `exited`, or the timeout (`kill()`).
+        Returns (stdout, stderr, the streams that overflowed, timeout error or None)."""
+        limit = self.config.max_output_bytes
         over: list[str] = []
         out, err = bytearray(), bytearray()
 
@@ -260,28 +346,28 @@ class _LocalBackend:
                 if len(buf) > limit:
                     del buf[limit:]
                     over.append(name)
-                    _killpg(proc.pid)
+                    kill()
                     return
 
-        readers = asyncio.gather(drain(proc.stdout, out, "stdout"), drain(proc.stderr, err, "stderr"))
+        readers = asyncio.gather(drain(streams[0], out, "stdout"), drain(streams[1], err, "stderr"))
         error = None
         try:
-            await asyncio.wait_for(_exited(proc), timeout)
+            await asyncio.wait_for(exited, timeout)
         except TimeoutError:
             error = f"timeout after {timeout:g}s"
-        _killpg(proc.pid)  # the main process exited or timed out: whatever it left in its group goes too
+        kill()  # the main process exited or timed out: whatever it left in its group goes too
         try:
             await asyncio.wait_for(readers, 2.0)  # the pipes close once every holder is dead
         except TimeoutError:
             readers.cancel()  # a process that left the group (setsid) holds a pipe: keep what we have
-        try:
-            code = await asyncio.wait_for(proc.wait(), 2.0)
-        except TimeoutError:  # proc.wait() also waits for the pipes; the exit status is known already
-            code = proc.returncode
-        duration = time.perf_counter() - start
+        return out, err, over, error
+
+    def _result(self, out: bytearray, err: bytearray, over: list[str], error: str | None, code: int | None,
+                duration: float) -> ExecResult:
         if error is None and over:
-            error = f"output limit: {over[0]} passed {limit} bytes (sandbox.max_output_bytes); the run was killed"
-        elif error is None and code < 0:
+            error = (f"output limit: {over[0]} passed {self.config.max_output_bytes} bytes "
+                     "(sandbox.max_output_bytes); the run was killed")
+        elif error is None and code is not None and code < 0:
             sig = signal.Signals(-code).name if -code in signal.valid_signals() else str(-code)
             error = f"killed by {sig}" + (" (CPU limit)" if -code == signal.SIGXCPU else "")
         return ExecResult(bytes(out).decode("utf-8", "replace"), bytes(err).decode("utf-8", "replace"), code, duration,
@@ -302,9 +388,72 @@ class _LocalBackend:
         return self._uids[slot]
 
     async def close(self) -> None:
+        zygotes, self._zygotes = list(self._zygotes.values()), {}
+        for z in zygotes:
+            z.close()
         for fd in self._uid_locks:
             os.close(fd)  # releases the flock: the uids are free for other pools
         self._uids, self._uid_locks = None, []
+
+
+class _Zygote:
+    """The pool's end of one zygote process (rayrl/actors/sandbox_zygote.py): started clean (a new interpreter,
+    the run's environment, no inherited fd but its socket), one request at a time."""
+
+    def __init__(self, python: str, env: dict[str, str], cfg: dict[str, Any]) -> None:
+        import subprocess  # noqa: PLC0415
+
+        self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            self.proc = subprocess.Popen(
+                [python, "-S", "-s", _zygote.__file__, str(theirs.fileno())], env=env, cwd="/",
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                close_fds=True, pass_fds=[theirs.fileno()])
+        finally:
+            theirs.close()
+        self.sock.settimeout(60)
+        try:
+            self.sock.sendall(json.dumps(cfg).encode())
+            reply = json.loads(self.sock.recv(1 << 16) or b'{"error": "exited at start"}')
+        except BaseException:
+            self.close()
+            raise
+        if "error" in reply:
+            self.close()
+            raise RuntimeError(reply["error"])
+        self.sock.setblocking(False)
+        self.busy = False
+
+    def alive(self) -> bool:
+        return self.sock.fileno() >= 0 and self.proc.poll() is None
+
+    def send(self, msg: bytes, fds: list[int]) -> None:
+        self.busy = True
+        socket.send_fds(self.sock, [msg], fds)  # nonblocking, but the socket is empty: one request at a time
+
+    async def reply(self) -> dict:
+        msg = await asyncio.get_running_loop().sock_recv(self.sock, 1 << 16)
+        if not msg:
+            raise OSError("the zygote exited")
+        self.busy = False
+        return json.loads(msg)
+
+    def kill(self) -> None:
+        """Kill the running child's process group (the zygote does it: the pid is its child's)."""
+        if self.busy:
+            try:
+                self.sock.send(b"k")
+            except OSError:
+                pass
+
+    def close(self) -> None:
+        """EOF ends the zygote (and kills a run still going); SIGKILL if it has not exited within 2 s."""
+        self.sock.close()
+        try:
+            self.proc.wait(2.0)
+        except Exception:  # noqa: BLE001
+            self.proc.kill()
+            self.proc.wait()
 
 
 _UID_LOCK_DIR = "/tmp/rayrl-sandbox-uids"
@@ -393,87 +542,25 @@ def _has_processes(uid: int) -> bool:
 
 
 class _Preexec:
-    """Runs in the forked child before exec: limits, namespaces, mounts, uid. Raising aborts the spawn."""
+    """Runs in the forked child before exec (the spawn path): limits, namespaces, mounts, uid. Raising aborts the
+    spawn. `limits` is `_LocalBackend._limits()`; the steps are sandbox_zygote.py's, all in this one child."""
 
-    def __init__(self, config: SandboxConfig, workdir: str, uid: int | None, isolation: dict, keep: list[str]):
-        self.config, self.workdir, self.uid, self.isolation, self.keep = config, workdir, uid, isolation, keep
+    def __init__(self, limits: dict, workdir: str, uid: int | None, isolation: dict, keep: list[str]):
+        self.limits, self.workdir, self.uid, self.isolation, self.keep = limits, workdir, uid, isolation, keep
 
     def __call__(self) -> None:
         # setsid and chdir here, not through Popen's start_new_session/cwd: uvloop (Ray's async actors) applies
         # cwd after preexec_fn, when the host path is already covered by the private /tmp.
         os.setsid()
         os.chdir(self.workdir)
-        c = self.config
-        mb = 1024 * 1024
-        # CPU: SIGXCPU at the soft limit (reported as "CPU limit"), SIGKILL a second later if it is caught.
-        resource.setrlimit(resource.RLIMIT_CPU, (c.cpu_seconds, c.cpu_seconds + 1))
-        for res, value in ((resource.RLIMIT_AS, c.memory_mb * mb), (resource.RLIMIT_FSIZE, c.max_file_mb * mb),
-                           (resource.RLIMIT_CORE, 0)):
-            resource.setrlimit(res, (value, value))
+        _zygote.set_limits(self.limits)
         if self.isolation["mount"] or self.isolation["net"]:
-            _enter_namespaces(c, self.workdir, self.isolation, self.keep)
-        if self.uid is not None:
-            # NPROC counts the processes of the real uid: it only bites once the run has a uid of its own.
-            resource.setrlimit(resource.RLIMIT_NPROC, (c.max_processes, c.max_processes))
-            os.setgroups([])
-            os.setgid(self.uid)
-            os.setuid(self.uid)
-        else:  # the user's own uid: NPROC counts all their processes, the host's included
-            resource.setrlimit(resource.RLIMIT_NPROC, (c.max_processes, c.max_processes))
+            _zygote.enter_namespaces(self.limits, self.workdir, self.isolation, self.keep)
+        _zygote.become(self.uid, self.limits)
         # Last: NOFILE caps fd *numbers*, and a parent with many sockets open (a Ray actor) hands this child high fd
         # numbers until exec closes them (close_fds); set earlier, the namespace setup's os.open() fails with EMFILE.
-        resource.setrlimit(resource.RLIMIT_NOFILE, (c.max_open_files, c.max_open_files))
-
-
-_libc = None
-
-
-def _sys(ret: int, what: str) -> None:
-    if ret != 0:
-        err = ctypes.get_errno()
-        raise OSError(err, f"{what}: {os.strerror(err)}")
-
-
-def _enter_namespaces(c: SandboxConfig, workdir: str, isolation: dict, keep: list[str]) -> None:
-    global _libc
-    if _libc is None:
-        _libc = ctypes.CDLL(None, use_errno=True)
-    libc = _libc
-    uid, gid = os.getuid(), os.getgid()
-    flags = (_CLONE_NEWNET if isolation["net"] else 0) | (_CLONE_NEWNS if isolation["mount"] else 0)
-    if isolation["userns"]:
-        flags |= _CLONE_NEWUSER
-    _sys(libc.unshare(flags), "unshare")
-    if isolation["userns"]:
-        # Map our own uid/gid into the new namespace, so files we create in the work dir have an owner.
-        for name, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
-            with open(f"/proc/self/{name}", "w") as f:
-                f.write(text)
-    if not isolation["mount"]:
-        return
-    _sys(libc.mount(None, b"/", None, _MS_REC | _MS_PRIVATE, None), "mount --make-rprivate /")
-    # Open what must stay visible before covering it: the work dir (under /tmp) and the interpreter's tree.
-    work_fd = os.open(workdir, os.O_PATH)
-    covered = (*c.hide_paths, "/tmp", "/var/tmp", "/dev/shm")  # e.g. a virtualenv in /tmp must stay importable
-    keep_fds = [(p, os.open(p, os.O_PATH)) for p in keep
-                if any(p == h or p.startswith(h.rstrip("/") + "/") for h in covered) and os.path.isdir(p)]
-    tmpfs = f"size={c.tmpfs_mb}m,mode=1777".encode()
-    for path in covered:
-        if os.path.isdir(path):
-            opts = tmpfs if path in ("/tmp", "/var/tmp", "/dev/shm") else b"size=1m,mode=0755"
-            _sys(libc.mount(b"tmpfs", path.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV, opts), f"mount tmpfs {path}")
-    for path, fd in keep_fds:
-        os.makedirs(path, exist_ok=True)
-        _sys(libc.mount(f"/proc/self/fd/{fd}".encode(), path.encode(), None, _MS_BIND | _MS_REC, None),
-             f"bind {path}")
-        os.close(fd)
-    os.makedirs("/tmp/work")
-    _sys(libc.mount(f"/proc/self/fd/{work_fd}".encode(), b"/tmp/work", None, _MS_BIND, None), "bind work dir")
-    os.close(work_fd)
-    if not isolation["userns"]:
-        # Read-only root: a bind remount changes this namespace's view only (the host's / stays rw).
-        _sys(libc.mount(None, b"/", None, _MS_REMOUNT | _MS_BIND | _MS_RDONLY, None), "remount / read-only")
-    os.chdir("/tmp/work")
+        n = self.limits["max_open_files"]
+        resource.setrlimit(resource.RLIMIT_NOFILE, (n, n))
 
 
 _PROBED: dict[tuple, dict] = {}
@@ -491,8 +578,9 @@ def _probe_isolation(c: SandboxConfig) -> dict[str, Any]:
         import subprocess  # noqa: PLC0415
 
         workdir = tempfile.mkdtemp(prefix="rayrl-sandbox-probe-")
+        limits = {"hide_paths": list(c.hide_paths), "tmpfs_mb": c.tmpfs_mb}
         try:
-            subprocess.run(["/bin/true"], preexec_fn=lambda: _enter_namespaces(c, workdir, out, []),
+            subprocess.run(["/bin/true"], preexec_fn=lambda: _zygote.enter_namespaces(limits, workdir, out, []),
                            check=True, timeout=10)
         except Exception as e:  # noqa: BLE001 - any failure means "not available here"
             if c.namespaces == "require":

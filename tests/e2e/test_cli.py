@@ -44,3 +44,10 @@ def test_default_job_code_path(tiny_model, tmp_path):
     model = AutoModelForCausalLM.from_pretrained(out / "hf")
     tok = AutoTokenizer.from_pretrained(out / "hf")
     assert model.config.tie_word_embeddings is False and tok.chat_template
+    import json
+
+    m = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    shares = {k: v for k, v in m.items() if k.startswith("time/share_")}
+    assert set(shares) == {f"time/share_{k}" for k in ("generate", "tool", "reward", "rollout_idle", "learner", "sync", "other")}
+    assert sum(shares.values()) == pytest.approx(1.0) and shares["time/share_generate"] > 0 and shares["time/share_learner"] > 0
+    assert shares["time/share_reward"] > 0  # the RewardActor scored every answer

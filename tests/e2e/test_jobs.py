@@ -71,8 +71,9 @@ def test_job_submit_two_nodes(cluster, tiny_model, tmp_path):
     out = tmp_path / "run"
     # 6 short steps: the step gauges live from step 1 until the driver exits; polling `ray list jobs` on a loaded
     # 2-core machine takes seconds, and 2 steps left too short a window to scrape them.
-    submit(cluster, "rayrl-e2e-ok", tiny_overrides(tiny_model, str(out), **{"trainer.experiment_name": "e2e",
-                                                                             "trainer.total_steps": 6}))
+    submit(cluster, "rayrl-e2e-ok", tiny_overrides(tiny_model, str(out), **{
+        "trainer.experiment_name": "e2e", "trainer.total_steps": 6,
+        "sandbox.num_actors": 1, "placement.sandbox_resources": "{worker_node: 0.01}"}))
     found: set[str] = set()
     deadline = time.monotonic() + 400
     while status(cluster, "rayrl-e2e-ok") in ("PENDING", "RUNNING", "?") and time.monotonic() < deadline:
@@ -90,7 +91,7 @@ def test_job_submit_two_nodes(cluster, tiny_model, tmp_path):
     worker = next(i for i, n in nodes.items() if n["resources_total"].get("worker_node"))
     actors = {a["name"]: a for a in ray_list(cluster, "actors") if a.get("name", "").startswith("rayrl/")}
     for name, node in [("rayrl/engine/0", head), ("rayrl/learner/0", head), ("rayrl/rollout/0", worker),
-                       ("rayrl/reward/0", worker)]:
+                       ("rayrl/reward/0", worker), ("rayrl/sandbox/0", worker)]:
         assert name in actors, sorted(actors)
         assert actors[name]["node_id"] == node, (name, actors[name]["node_id"], head, worker)
         assert actors[name]["state"] == "DEAD"  # the run stopped its actors when it ended
@@ -139,3 +140,17 @@ def test_runtime_env_that_does_not_parse_fails_clearly(cluster, tmp_path):
     p = ray_cli(cluster, "job", "submit", "--address", cluster.dashboard, "--runtime-env", str(bad), "--",
                 "python", "-c", "pass")
     assert p.returncode != 0 and "yaml" in (p.stdout + p.stderr).lower()
+
+
+def test_job_naming_a_missing_package_fails_clearly(cluster, tiny_model, tmp_path):
+    """The job names an agent from a package the cluster does not have: the job FAILS (at config load, before any
+    actor starts), `ray job submit` exits non-zero, and the log's last line says which field and what to install."""
+    p = ray_cli(cluster, "job", "submit", "--address", cluster.dashboard, "--runtime-env", "runtime_envs/cpu.yaml",
+                "--submission-id", "rayrl-e2e-missing", "--", "python", "-m", "rayrl.train", "jobs/two_nodes.yaml",
+                *tiny_overrides(tiny_model, str(tmp_path / "run"), **{"rollout.agent": "no_such_pkg_xyz.agents:agent"}),
+                timeout=300)
+    assert p.returncode != 0, p.stdout + p.stderr
+    assert status(cluster, "rayrl-e2e-missing") == "FAILED"
+    last = [ln for ln in logs(cluster, "rayrl-e2e-missing").splitlines() if ln.strip()][-1]
+    assert last.startswith("rayrl: config error: rollout.agent='no_such_pkg_xyz.agents:agent'"), last
+    assert "No module named 'no_such_pkg_xyz'" in last and "runtime_env" in last

@@ -40,6 +40,8 @@ def test_placement_config():
 
 @pytest.mark.integration
 def test_user_env_vars_win_over_rayrl_defaults():
+    """Every actor gets NVLink multicast off and CPU engines/learners every core, unless the job's runtime_env says
+    otherwise."""
     import ray
 
     from rayrl import cluster
@@ -47,17 +49,21 @@ def test_user_env_vars_win_over_rayrl_defaults():
     @ray.remote(num_cpus=0)
     class Probe:
         def get(self):
-            return os.environ.get("OMP_NUM_THREADS")
+            return {k: os.environ.get(k) for k in ["OMP_NUM_THREADS", *cluster.MULTICAST_OFF]}
 
     ray.init(num_cpus=2, include_dashboard=False, namespace="rayrl-test-env",
-             runtime_env={"env_vars": {"OMP_NUM_THREADS": "3"}})
-    try:
-        assert cluster._threads(0.0) == {}  # the job's value is not overridden...
-        assert ray.get(Probe.options(**cluster._threads(0.0)).remote().get.remote(), timeout=60) == "3"
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "3", "NCCL_NVLS_ENABLE": "1"}})
+    try:  # the job's values are not overridden...
+        env = ray.get(Probe.options(**cluster._env(all_cores=True)).remote().get.remote(), timeout=60)
+        assert env == {"OMP_NUM_THREADS": "3", "NCCL_NVLS_ENABLE": "1", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+                       "NVSHMEM_DISABLE_NVLS": "1"}
     finally:
         ray.shutdown()
     ray.init(num_cpus=2, include_dashboard=False, namespace="rayrl-test-env")
-    try:  # ...and without one, CPU engines and learners get every core
-        assert ray.get(Probe.options(**cluster._threads(0.0)).remote().get.remote(), timeout=60) == str(os.cpu_count())
+    try:  # ...and without them, CPU engines and learners get every core, every actor multicast off
+        env = ray.get(Probe.options(**cluster._env(all_cores=True)).remote().get.remote(), timeout=60)
+        assert env == {"OMP_NUM_THREADS": str(os.cpu_count()), **cluster.MULTICAST_OFF}
+        env = ray.get(Probe.options(**cluster._env()).remote().get.remote(), timeout=60)
+        assert env == {"OMP_NUM_THREADS": "1", **cluster.MULTICAST_OFF}  # Ray's own default for workers
     finally:
         ray.shutdown()

@@ -330,6 +330,8 @@ def test_task_sampling_sets_the_session_defaults(gw, tiny_model):
             traj = asyncio.run(worker.run_task(task))
             assert traj.error is None, traj.error
             out.append(tuple(traj.response_ids))
+            # the agent's own spans reach the trace; its "llm" span is dropped for the Gateway's exact one
+            assert [e["name"] for e in traj.events] == ["llm", "tool:lookup"] and "events" not in traj.metadata
         return out
 
     assert len(set(runs({"temperature": 1e-4, "top_p": 0.5}))) == 1

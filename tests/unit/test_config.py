@@ -154,3 +154,11 @@ def test_existing_files_are_accepted(agent: str, tmp_path: Path) -> None:
     assert cfg.data.source.endswith("train.jsonl") and cfg.trainer.resume.endswith("ckpt")
     # check_files=False skips the file and gym checks (e.g. on a driver whose data lives on the workers)
     load_config(None, [agent, "data.source=/on/the/workers/train.parquet"], check_files=False)
+
+
+def test_e2b_sandbox_without_its_package(monkeypatch) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "e2b_code_interpreter", None)  # what an environment without it looks like
+    with pytest.raises(ConfigError, match=r"rollout.agent_config.sandbox.backend='e2b' needs the e2b-code-interpreter"):
+        load_config(None, ["rollout.agent_config={sandbox: {backend: e2b}}"])

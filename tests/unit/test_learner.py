@@ -47,3 +47,16 @@ def test_checkpoint_round_trip(learner, tmp_path):
     assert learner.compute_logprobs(BATCH) != saved
     learner.load(str(tmp_path))
     assert learner.compute_logprobs(BATCH) == saved
+
+
+@pytest.mark.parametrize("learner", [["learner.micro_batch_size=1"]], indirect=True)
+def test_step_records_trace_spans(learner):
+    """Forward and backward per micro-batch, then the optimizer step, all inside the call (rayrl.trace draws them)."""
+    events = learner.train_step(BATCH).events
+    assert [e["name"] for e in events] == ["forward", "backward", "forward", "backward", "optimizer_step", "train_step"]
+    assert [e["args"].get("micro_batch") for e in events[:4]] == [0, 0, 1, 1]
+    outer = events[-1]
+    for e in events:
+        assert outer["start"] <= e["start"] <= e["end"] <= outer["end"] and e["rank"] == 0
+    for a, b in zip(events[:-1], events[1:-1]):  # one after another
+        assert a["end"] <= b["start"]

@@ -44,3 +44,20 @@ def test_dashboard_gauges_cover_the_issue_list_and_are_a_no_op_outside_ray():
                                                    "sandbox/latency_s", "sync/seconds", "policy/version",
                                                    "policy/staleness_max"}
     dashboard(M, "t")  # no Ray: nothing to do, no error
+
+
+def test_phase_shares_split_the_step_exclusively():
+    """Rollout window [0, 10]: LLM calls [0, 4] and [3, 6]; a sandbox run [5, 7] (overlaps the LLM until 6); reward
+    [8, 9]. Then learner 6 s, sync 2 s, and 2 s of other work: a 20 s step."""
+    from rayrl.metrics import phase_shares
+    from rayrl.types import Trajectory
+
+    def traj(*events):
+        return Trajectory(task_id="t", group_id="g", step=0, data_source="d",
+                          events=[{"name": n, "start": float(a), "end": float(b)} for n, a, b in events])
+
+    trajs = [traj(("llm", 0, 4), ("sandbox", 5, 7)), traj(("llm", 3, 6), ("reward", 8, 9)),
+             traj(("tool:code_interpreter", 11, 12))]  # outside the window: not counted
+    s = phase_shares(trajs, start=0.0, rollout_end=10.0, learner_s=6.0, sync_s=2.0, step_s=20.0)
+    want = {"generate": 6, "tool": 1, "reward": 1, "rollout_idle": 2, "learner": 6, "sync": 2, "other": 2}
+    assert s == pytest.approx({f"time/share_{k}": v / 20 for k, v in want.items()})

@@ -43,14 +43,95 @@ def test_numpy_is_importable_and_bash_runs() -> None:
     assert c.error and "not supported" in c.error
 
 
-def test_state_does_not_persist_between_runs() -> None:
+@pytest.mark.parametrize("zygote", [True, False])
+def test_state_does_not_persist_between_runs(zygote: bool) -> None:
+    # One slot: both runs fork from the same zygote (or spawn on the same uid).
+    first = ("import json, os, random, sys\n"
+             "x = 1\nsys.leak = 1\njson.leak = 1\nos.environ['LEAK'] = '1'\n"
+             "open('f.txt', 'w').write('1')\nopen('/tmp/f.txt', 'w').write('1')\n"
+             "print(random.random())\n")
+    second = ("import json, os, random, sys\n"
+              "print('x' in globals(), hasattr(sys, 'leak'), hasattr(json, 'leak'), 'LEAK' in os.environ,\n"
+              "      os.path.exists('f.txt'), os.path.exists('/tmp/f.txt'))\n"
+              "print(random.random())\n")
+
     async def go():
-        pool = SandboxPool()
-        await pool.run("x = 1\nopen('f.txt', 'w').write('1')")
-        r = await pool.run("import os\nprint('x' in globals(), os.path.exists('f.txt'))")
+        pool = SandboxPool({"max_concurrency": 1, "zygote": zygote})
+        a = await pool.run(first)
+        b = await pool.run(second)
         await pool.close()
-        return r
-    assert arun(go()).stdout == "False False\n"
+        return a, b
+    a, b = arun(go())
+    assert a.ok and b.ok, (a, b)
+    flags, rand = b.stdout.splitlines()
+    assert flags == "False False False False False False"
+    assert rand != a.stdout.strip()  # a fork reseeds: runs do not share a random sequence
+
+
+def test_runs_fork_from_a_zygote_that_is_restarted_when_it_dies() -> None:
+    async def go():
+        pool = SandboxPool({"max_concurrency": 1})
+        first = await pool.run("import os\nprint(os.getppid())")
+        zygote = pool._backend._zygotes[0]
+        assert pool.isolation["zygote"] and int(first.stdout) == zygote.proc.pid
+        zygote.proc.kill()  # dies between runs
+        zygote.proc.wait()
+        second = await pool.run("import os\nprint(os.getppid())")
+        # dies during a run: that run fails with a clear error, the next one gets a new zygote
+        running = asyncio.ensure_future(pool.run("import time\ntime.sleep(30)", timeout=20))
+        await asyncio.sleep(0.5)
+        pool._backend._zygotes[0].proc.kill()
+        died = await running
+        third = await pool.run("print('ok')")
+        await pool.close()
+        return first, second, died, third
+    first, second, died, third = arun(go())
+    assert second.ok and second.stdout != first.stdout
+    assert died.error and "zygote" in died.error and died.duration < 10, died
+    assert third.stdout == "ok\n", third
+
+
+def test_falls_back_to_spawning_when_the_zygote_cannot_start(monkeypatch, caplog) -> None:
+    from rayrl.actors import sandbox_zygote
+
+    monkeypatch.setattr(sandbox_zygote, "__file__", "/nonexistent/sandbox_zygote.py")
+    pool = SandboxPool({"max_concurrency": 1})
+    with caplog.at_level("WARNING", logger="rayrl.actors.sandbox"):
+        a, b = arun(run_all(pool, ["print(1)", "print(2)"]))
+    assert (a.stdout, b.stdout) == ("1\n", "2\n") and a.ok and b.ok
+    warnings = [r for r in caplog.records if "zygote" in r.getMessage()]
+    assert len(warnings) == 1 and "spawning" in warnings[0].getMessage()
+    assert pool.isolation["zygote"] is False and "no zygote" in pool.isolation["reason"]
+
+
+def test_a_forked_run_has_only_stdio_its_env_and_a_fresh_main() -> None:
+    code = ("import os, sys\n"
+            "print(sorted(int(f) for f in os.listdir('/proc/self/fd')))\n"
+            "print(sorted(os.environ))\n"
+            "print(__name__, __file__, sys.argv, sys.path[0], sorted(k for k in globals() if not k.startswith('__')))\n"
+            "print(any(m.startswith(('rayrl', 'pytest', 'sandbox_zygote')) for m in sys.modules))\n")
+    (r,) = arun(run_all(SandboxPool({"env": {"EXTRA": "1"}}), [code]))
+    assert r.ok, r
+    fds, env, main, leaked = r.stdout.splitlines()
+    assert fds == "[0, 1, 2, 3]"  # 3: the listdir's own
+    assert env == str(sorted(["PATH", "HOME", "TMPDIR", "LANG", "PYTHONPATH", "PYTHONDONTWRITEBYTECODE",
+                              "PYTHONUNBUFFERED", "PYTHONHASHSEED", "MPLBACKEND", "OMP_NUM_THREADS",
+                              "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "EXTRA"]))
+    name, file, argv, path0, names = main.split(" ", 4)
+    assert (name, argv, names) == ("__main__", "['main.py']", "['os', 'sys']")  # no global of the zygote's
+    assert file == path0 + "/main.py"
+    assert leaked == "False"
+
+
+def test_exit_codes_threads_and_atexit_like_a_fresh_interpreter() -> None:
+    codes = ["import sys\nsys.exit(3)", "import sys\nsys.exit('bye')", "x = (",
+             ("import atexit, threading, time\natexit.register(lambda: print('atexit'))\n"
+              "threading.Thread(target=lambda: (time.sleep(0.2), print('thread'))).start()\nprint('main')")]
+    three, bye, syntax, late = arun(run_all(SandboxPool(), codes))
+    assert three.exit_code == 3 and three.error is None
+    assert bye.exit_code == 1 and bye.stderr == "bye\n"
+    assert syntax.exit_code == 1 and "SyntaxError" in syntax.stderr and "sandbox_zygote" not in syntax.stderr
+    assert late.stdout == "main\nthread\natexit\n" and late.exit_code == 0, late
 
 
 def test_concurrency_is_bounded() -> None:
@@ -148,3 +229,16 @@ def test_runs_from_a_process_with_many_open_files(tmp_path):
         for f in held:
             f.close()
     assert r.error is None and r.stdout == "42\n", r
+
+
+def test_a_cancelled_run_does_not_confuse_the_next_one() -> None:
+    async def go():
+        pool = SandboxPool({"max_concurrency": 1})
+        task = asyncio.ensure_future(pool.run("import time\ntime.sleep(30)\nprint('late')"))
+        await asyncio.sleep(0.5)
+        task.cancel()
+        r = await pool.run("print('next')")
+        await pool.close()
+        return r
+    r = arun(go())
+    assert r.stdout == "next\n" and r.ok, r

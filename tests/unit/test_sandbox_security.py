@@ -249,3 +249,42 @@ def test_huge_stdout_is_cut_and_the_run_killed() -> None:
     assert res.error and "output limit" in res.error
     assert len(res.stdout) == 10000
     assert time.perf_counter() - t0 < 5
+
+
+@needs_uid
+def test_a_run_cannot_kill_or_reach_its_zygote() -> None:
+    # The run's parent is the slot's zygote (root, in the sandbox's namespaces): signalling it fails, it has no fd
+    # of the zygote's, and the same zygote serves the next run.
+    code = ("import os, signal\n"
+            "try:\n    os.kill(os.getppid(), signal.SIGKILL); print('killed')\n"
+            "except OSError as e:\n    print('blocked', type(e).__name__)\n"
+            "print(sorted(os.listdir('/proc/self/fd')))\n"
+            "try:\n    print(open(f'/proc/{os.getppid()}/environ').read())\n"
+            "except OSError as e:\n    print('blocked', type(e).__name__)\n")
+
+    async def go():
+        pool = SandboxPool({**BASE, "max_concurrency": 1})
+        try:
+            first = await pool.run(code)
+            zygote = pool._backend._zygotes[0]
+            second = await pool.run("import os\nprint(os.getppid())")
+            return first, second, zygote.proc.pid, zygote.proc.poll()
+        finally:
+            await pool.close()
+    first, second, zygote_pid, zygote_exit = asyncio.run(go())
+    assert first.stdout == "blocked PermissionError\n['0', '1', '2', '3']\nblocked PermissionError\n", first
+    assert zygote_exit is None and int(second.stdout) == zygote_pid
+
+
+@needs_uid
+def test_a_forked_python_process_that_leaves_the_group_is_reaped() -> None:
+    # Like the test above, but without exec: the escapee is a fork of the run's interpreter.
+    code = ("import os, time\n"
+            "if os.fork() == 0:\n"
+            "    os.setsid()\n"
+            "    time.sleep(60)\n"
+            "    os._exit(0)\n"
+            "print('main done')\n")
+    res, uids = run_uids(code, max_concurrency=1)
+    assert res.stdout == "main done\n" and res.exit_code == 0 and res.duration < 10
+    assert procs_of_uid(uids[0]) == []

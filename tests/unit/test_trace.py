@@ -53,6 +53,14 @@ def _traj(task_id: str, start: float, total: float, events=()) -> Trajectory:
                       timings={"agent": total * 0.8, "reward": total * 0.1, "total": total})
 
 
+def _learner_events(t0: float, rank: int) -> list[dict]:
+    """What a learner rank's StepStats.events hold: two micro-batches, the optimizer step, the whole call."""
+    spans = [("forward", 1, 2, {"micro_batch": 0}), ("backward", 2, 4, {"micro_batch": 0}),
+             ("forward", 4, 5, {"micro_batch": 1}), ("backward", 5, 7, {"micro_batch": 1}),
+             ("optimizer_step", 7, 8, {}), ("train_step", 0.5, 8, {})]  # milliseconds after t0
+    return [{"name": n, "start": t0 + a / 1e3, "end": t0 + b / 1e3, "rank": rank, "args": args} for n, a, b, args in spans]
+
+
 def _run(tmp_path, steps: int = 2) -> str:
     out = str(tmp_path / "run")
     trace.start(out)
@@ -72,7 +80,9 @@ def _run(tmp_path, steps: int = 2) -> str:
                 trace.received([b])
             trace.trajectories([a, b])
             with trace.span("learner/train_step", epoch=0, minibatch=0):
+                t0 = time.time()
                 time.sleep(0.01)
+                trace.learner([e for r in (0, 1) for e in _learner_events(t0, r)], t0, time.time())
             with trace.span("weight_sync", version=s):
                 time.sleep(0.01)
     path = trace.close()
@@ -102,11 +112,22 @@ def test_trace_file_is_valid_and_nested(tmp_path):
         llm = [e for e in xs if e["name"] == "llm" and e["pid"] == s]
         assert [e["args"]["completion_tokens"] for e in llm] == [7, 5]
         assert traj["args"]["response_tokens"] == 3 and traj["args"]["reward"] == 1.0
+        # the learner's forward / backward / optimizer step: one lane per rank, inside the driver's train_step
+        driver_step = next(e for e in xs if e["name"] == "learner/train_step" and e["pid"] == s)
+        for rank in (0, 1):
+            lane = [e for e in xs if e["pid"] == s and e["tid"] == trace.LEARNER_TID + rank]
+            outer = next(e for e in lane if e["name"] == "train_step")
+            assert [e["name"] for e in sorted(lane, key=lambda e: (e["ts"], -e["dur"]))] == [
+                "train_step", "forward", "backward", "forward", "backward", "optimizer_step"]
+            assert all(inside(e, outer) for e in lane) and inside(outer, driver_step) and inside(driver_step, step)
+            assert all(e["args"]["rank"] == rank and e["cat"] == "learner" for e in lane)
     # overlapping trajectories get their own lanes
     t1 = [e for e in xs if e["name"].startswith("trajectory") and e["pid"] == 1]
     assert len({e["tid"] for e in t1}) == 2
     meta = {(e["pid"], e["name"]): e["args"] for e in doc["traceEvents"] if e["ph"] == "M"}
     assert meta[(1, "process_name")] == {"name": "step 1"}
+    lanes = {(e["pid"], e["tid"]): e["args"]["name"] for e in doc["traceEvents"] if e["name"] == "thread_name"}
+    assert lanes[(1, trace.LEARNER_TID + 1)] == "learner rank 1"
 
 
 def test_dump_a_range_of_steps(tmp_path):

@@ -1,0 +1,65 @@
+"""Padding-free attention for the learner's packed rows (`learner.pack`) on GPU.
+
+A packed micro-batch is one row of several sequences, with `position_ids` restarting per sequence and their
+boundaries (`cu_seq_lens_q`, `max_length_q`) passed to the model's forward. transformers' `sdpa` turns that into a
+dense T x T block-diagonal mask, which rules out the flash kernel and made packing slower than padding on an H200.
+`rayrl_varlen` instead hands the boundaries to PyTorch's own varlen flash attention
+(`torch.nn.attention.varlen.varlen_attn`): no mask, no padding, each sequence attends causally to itself only.
+On CPU (tests) the same function runs causal sdpa per sequence, so the plumbing is checked where the kernel is not.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.nn.functional as F
+
+NAME = "rayrl_varlen"
+
+
+def register() -> str:
+    """Make `attn_implementation="rayrl_varlen"` known to transformers; returns the name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(NAME, varlen_attention)
+    AttentionMaskInterface.register(NAME, _no_mask)  # the kernel masks by the boundaries itself
+    return NAME
+
+
+def varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
+    """transformers attention function: query [1, Hq, T, D], key/value [1, Hkv, T, D] -> ([1, T, Hq, D], None)."""
+    cu, longest = kw.get("cu_seq_lens_q"), kw.get("max_length_q")
+    if cu is None or query.shape[0] != 1:
+        raise RuntimeError(f"{NAME} attention runs on packed rows only (one row with cu_seq_lens_q); "
+                           "the learner passes them when learner.pack is true")
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # -> [T, H, D]
+    if k.shape[1] != q.shape[1]:  # grouped-query attention: each kv head serves Hq / Hkv query heads
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    out = _flash(q, k, v, cu, int(longest), scaling) if q.is_cuda else _reference(q, k, v, cu, scaling)
+    return out.unsqueeze(0), None
+
+
+def _flash(q, k, v, cu, longest: int, scale: float | None) -> torch.Tensor:
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = inspect.signature(varlen_attn).parameters  # torch 2.10 has is_causal; later ones a causal window
+    kw = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
+    if scale is not None and "scale" in params:
+        kw["scale"] = scale
+    elif scale is not None and abs(scale - q.shape[-1] ** -0.5) > 1e-9:
+        raise RuntimeError(f"this torch's varlen_attn has no scale argument; the model's scaling is {scale}")
+    return varlen_attn(q, k, v, cu, cu, longest, longest, **kw)
+
+
+def _reference(q, k, v, cu, scale: float | None) -> torch.Tensor:
+    bounds = cu.tolist()
+    return torch.cat([F.scaled_dot_product_attention(*(t[s:e].transpose(0, 1) for t in (q, k, v)), is_causal=True,
+                                                     scale=scale).transpose(0, 1)
+                      for s, e in zip(bounds[:-1], bounds[1:])])
+
+
+def _no_mask(*args, **kwargs) -> None:
+    return None

@@ -1,0 +1,112 @@
+"""Padding-free packed micro-batches (issue #6): token-budget bins, chunked fp32 log-probs, and packed == padded."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from rayrl.actors import learner as learner_mod
+from rayrl.actors.learner import token_budget_bins, token_logprobs
+from rayrl.config import load_config
+from rayrl.types import TrainBatch
+
+
+def test_bins_respect_the_budget():
+    lengths = [5, 30, 7, 12, 3, 9, 20, 1]
+    bins = token_budget_bins(lengths, 20)
+    assert sorted(i for b in bins for i in b) == list(range(len(lengths)))  # every sequence exactly once
+    assert [1] in bins  # longer than the budget: alone
+    assert all(sum(lengths[i] for i in b) <= 20 for b in bins if b != [1])
+    assert sorted(map(sorted, bins)) == [[0, 4, 5], [1], [2, 3, 7], [6]]  # first-fit decreasing: 30 | 20 | 12+7+1 | 9+5+3
+    assert token_budget_bins([], 10) == []
+
+
+def test_bins_split_to_a_minimum_count():
+    lengths = [4, 4, 4, 4, 3]
+    assert len(token_budget_bins(lengths, 100)) == 1
+    bins = token_budget_bins(lengths, 100, min_bins=3)  # another rank needs 3 micro-batches
+    assert len(bins) == 3 and sorted(i for b in bins for i in b) == list(range(5))
+    assert len(token_budget_bins(lengths, 100, min_bins=9)) == 5  # at most one per sequence
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_token_logprobs_match_log_softmax(monkeypatch, dtype):
+    monkeypatch.setattr(learner_mod, "LOGPROB_CHUNK", 3)  # several chunks, the last one short
+    torch.manual_seed(0)
+    logits = torch.randn(10, 17, dtype=dtype, requires_grad=True)
+    targets = torch.randint(0, 17, (10,))
+    weights = torch.randn(10)
+    ref_logits = logits.detach().clone().requires_grad_(True)
+    ref = (ref_logits.float() / 0.7).log_softmax(-1).gather(-1, targets[:, None])[:, 0]
+    (ref * weights).sum().backward()
+    got = token_logprobs(logits, targets, 0.7)
+    (got * weights).sum().backward()
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, ref, atol=1e-6, rtol=0)
+    assert logits.grad.dtype == dtype
+    torch.testing.assert_close(logits.grad, ref_logits.grad, atol=1e-6 if dtype == torch.float32 else 1e-2, rtol=0)
+
+
+def _batch() -> TrainBatch:
+    rng = random.Random(0)
+    shapes = [(3, 9), (17, 2), (1, 12), (8, 8), (25, 1), (5, 14)]  # prompt, response lengths
+    prompts = [[rng.randrange(10, 300) for _ in range(p)] for p, _ in shapes]
+    resps = [[rng.randrange(10, 300) for _ in range(r)] for _, r in shapes]
+    masks = [[int(rng.random() < 0.8) for _ in r] for r in resps]
+    advs = [[a] * len(r) for a, r in zip([1.0, -0.5, 0.3, -1.0, 2.0, 0.1], resps)]
+    return TrainBatch(prompt_ids=prompts, response_ids=resps, loss_mask=masks, advantages=advs,
+                      global_tokens=sum(map(sum, masks)), global_seqs=len(shapes))
+
+
+@pytest.fixture
+def make_learner(tiny_model):
+    from rayrl.actors.learner import Learner
+
+    made = []
+
+    def make(*overrides: str):
+        ln = Learner(tiny_model, load_config(None, ["learner.lr=1e-2", *overrides], check_files=False))
+        ln.setup()
+        made.append(ln)
+        return ln
+
+    yield make
+    made[-1].shutdown()  # one process group for all of them
+
+
+def _grads(ln) -> dict[str, torch.Tensor]:
+    return {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for n, p in ln.model.named_parameters()}
+
+
+def test_packed_equals_padded(make_learner):
+    """One packed row (positions restarting per sequence) gives the padded log-probs, loss and gradients, with
+    sequences of different lengths, counted micro-batches or a token budget, and for the KL reference model."""
+    batch = _batch()
+    kl = ["algo.use_kl_loss=true", "algo.kl_loss_coef=0.5"]
+    padded = make_learner("learner.pack=false", "learner.micro_batch_size=4", *kl)
+    runs = {name: make_learner(*o, *kl) for name, o in {
+        "packed": ["learner.micro_batch_size=4"],
+        "budget": ["learner.max_tokens_per_micro_batch=40"]}.items()}
+    assert len(runs["budget"]._micro_batches(batch)) > 2  # the budget really splits the batch
+    want = padded.compute_logprobs(batch)
+    assert [len(x) for x in want] == [len(r) for r in batch.response_ids]
+    for ln in runs.values():
+        got = ln.compute_logprobs(batch)
+        for w, g in zip(want, got):
+            assert g == pytest.approx(w, abs=1e-5)
+        # The reference model's packed forward must not see the other sequences either
+        ref = ln._logprobs(batch, list(range(len(batch))), model=ln.ref)[0]
+        for j, w in enumerate(want):
+            assert ref[j, : len(w)].tolist() == pytest.approx(w, abs=1e-5)
+    # off-policy: old log-probs shifted so the ratio and the KL term are not trivial
+    old = [[x + 0.1 * ((i + k) % 3 - 1) for k, x in enumerate(w)] for i, w in enumerate(want)]
+    base = padded.train_step(batch, old)
+    base_grads = _grads(padded)
+    for ln in runs.values():
+        stats = ln.train_step(batch, old)
+        assert stats.loss == pytest.approx(base.loss, abs=1e-6)
+        assert stats.ppo_kl == pytest.approx(base.ppo_kl, abs=1e-6)
+        for n, g in _grads(ln).items():
+            torch.testing.assert_close(g, base_grads[n], atol=1e-6, rtol=1e-4, msg=n)
