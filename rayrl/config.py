@@ -72,14 +72,6 @@ class EngineConfig:
     weight_sync: str = "auto"
     sync_bucket_mb: int = 256  # broadcast: MiB per bucket sent at once
 
-    def __post_init__(self):
-        modes = ("auto", "object_store", "cuda_ipc", "broadcast")
-        _require(self.weight_sync in modes, f"engine.weight_sync={self.weight_sync!r} must be one of {', '.join(modes)}")
-        _require(self.backend == "vllm" or self.weight_sync in ("auto", "object_store"),
-                 f"engine.weight_sync={self.weight_sync!r} needs engine.backend=vllm (backend {self.backend!r} "
-                 "loads weights through the object store only)")
-        _require(self.sync_bucket_mb >= 1, f"engine.sync_bucket_mb must be >= 1, got {self.sync_bucket_mb}")
-
 
 @dataclass
 class GatewayConfig:
@@ -308,6 +300,14 @@ def validate(cfg: Config, check_files: bool = True) -> None:
     _require(0.0 < r.top_p <= 1.0, f"rollout.top_p must be in (0, 1], got {r.top_p}")
     for name, v, hi in (("trainer.val_temperature", t.val_temperature, 10.0), ("trainer.val_top_p", t.val_top_p, 1.0)):
         _require(v is None or 0.0 < v <= hi, f"{name} must be in (0, {hi:g}] or null, got {v}")
+    modes = ("auto", "object_store", "cuda_ipc", "broadcast")
+    _require(e.weight_sync in modes, f"engine.weight_sync={e.weight_sync!r} must be one of {', '.join(modes)}")
+    _require(e.backend == "vllm" or e.weight_sync in ("auto", "object_store"),
+             f"engine.weight_sync={e.weight_sync!r} needs engine.backend=vllm (backend {e.backend!r} "
+             "loads weights through the object store only)")
+    _require(e.sync_bucket_mb >= 1, f"engine.sync_bucket_mb must be >= 1, got {e.sync_bucket_mb}")
+    _require(lr.max_tokens_per_micro_batch >= 0,
+             f"learner.max_tokens_per_micro_batch must be >= 0 (0 = count sequences), got {lr.max_tokens_per_micro_batch}")
     _require(cfg.sandbox.num_actors >= 0, f"sandbox.num_actors must be >= 0, got {cfg.sandbox.num_actors}")
     if cfg.sandbox.num_actors or cfg.rollout.agent_config.get("sandbox"):
         _check_sandbox(sandbox_config(cfg), "sandbox.config" if cfg.sandbox.config else "rollout.agent_config.sandbox")

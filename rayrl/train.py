@@ -156,9 +156,13 @@ def update(cfg: Config, learners: list, groups: list[list[Trajectory]]) -> dict[
                                       for r, (ln, s) in enumerate(zip(learners, sh))], timeout=timeout))
                 trace.learner([e for st in stats[-1] for e in st.events], t0, time.time())  # a lane per rank
     last = stats[-1]
+    learner_s = sum(max(s.seconds for s in st) for st in stats)  # the slowest rank of each optimizer step
     return {"actor/loss": sum(s.loss for s in last), "actor/pg_clipfrac": sum(s.pg_clipfrac for s in last),
             "actor/ppo_kl": sum(s.ppo_kl for s in last), "actor/grad_norm": last[0].grad_norm,
-            "actor/updates": len(stats), "time/learner_s": sum(max(s.seconds for s in st) for st in stats)}
+            "actor/updates": len(stats), "time/learner_s": learner_s,
+            # every token a train_step forwarded (prompts and responses, all epochs) per second of train_step
+            "learner/tokens_per_s": cfg.learner.ppo_epochs * sum(len(t.prompt_ids) + len(t.response_ids)
+                                                                 for g in groups for t in g) / max(learner_s, 1e-9)}
 
 
 def sync_weights(cfg: Config, actors, version: int) -> float:

@@ -51,3 +51,4 @@ def test_default_job_code_path(tiny_model, tmp_path):
     assert set(shares) == {f"time/share_{k}" for k in ("generate", "tool", "reward", "rollout_idle", "learner", "sync", "other")}
     assert sum(shares.values()) == pytest.approx(1.0) and shares["time/share_generate"] > 0 and shares["time/share_learner"] > 0
     assert shares["time/share_reward"] > 0  # the RewardActor scored every answer
+    assert m["learner/tokens_per_s"] > 0 and m["time/learner_s"] > 0

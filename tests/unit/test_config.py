@@ -75,6 +75,8 @@ BAD = [
     ("temperature", None, ["rollout.temperature=0"], ["rollout.temperature", "0.0"]),
     ("val-top-p", None, ["trainer.val_top_p=1.5"], ["trainer.val_top_p", "1.5"]),
     ("val-temperature-type", None, ["trainer.val_temperature=hot"], ["trainer.val_temperature", "'hot'"]),
+    ("token-budget", None, ["learner.max_tokens_per_micro_batch=-1"], ["learner.max_tokens_per_micro_batch", "-1"]),
+    ("bucket-size", None, ["engine.sync_bucket_mb=0"], ["engine.sync_bucket_mb", "0"]),
     ("bad-backend", None, ["engine.backend=tgi"], ["engine.backend='tgi'"]),
     ("model-path", None, ["model.path=/nonexistent/model"], ["model.path", "'/nonexistent/model'"]),
 ]
