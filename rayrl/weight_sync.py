@@ -92,19 +92,21 @@ def specs(model: torch.nn.Module, dtype: torch.dtype) -> list[tuple[str, tuple[i
     return out
 
 
-def full_tensors(model: torch.nn.Module, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """Each full tensor in state-dict order, on the model's device. A collective under FSDP: every rank must
-    consume the whole iterator, in step (DTensor.full_tensor() all-gathers one tensor at a time)."""
+def full_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each full tensor in state-dict order, on the model's device, in the model's own dtype (`fill` casts while it
+    copies: no temporary). A collective under FSDP: every rank must consume the whole iterator, in step
+    (DTensor.full_tensor() all-gathers one tensor at a time)."""
     from torch.distributed.tensor import DTensor
 
     for name, t in model.state_dict().items():
         if isinstance(t, DTensor):  # one rank: the local shard is the whole tensor, no collective needed
             t = t.full_tensor() if t.device_mesh.size() > 1 else t.to_local()
-        yield name, (t.detach().to(dtype) if t.is_floating_point() else t.detach())
+        yield name, t.detach()
 
 
 def fill(bucket_views: list[tuple[str, torch.Tensor]], tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
-    """Copy the next len(bucket_views) tensors into the views (names must match: same state-dict order)."""
+    """Copy the next len(bucket_views) tensors into the views, casting to each view's dtype (names must match:
+    same state-dict order)."""
     for name, view in bucket_views:
         got, t = next(tensors)
         if got != name:

@@ -249,7 +249,7 @@ class Learner:
     def ipc_handle(self) -> weight_sync.IpcHandle | None:
         """cuda_ipc: the weights copied into rank 0's persistent GPU buffer; its handle on rank 0 (None elsewhere)."""
         dtype = getattr(torch, self.cfg.model.dtype)
-        tensors = weight_sync.full_tensors(self.model, dtype)
+        tensors = weight_sync.full_tensors(self.model)
         if self.rank != 0:
             for _ in tensors:  # take part in each all-gather
                 pass
@@ -266,7 +266,7 @@ class Learner:
 
     def send_weights(self) -> None:
         """broadcast: every rank gathers each full tensor; rank 0 broadcasts them in buckets."""
-        tensors = weight_sync.full_tensors(self.model, getattr(torch, self.cfg.model.dtype))
+        tensors = weight_sync.full_tensors(self.model)
         if self.rank != 0:
             for _ in tensors:
                 pass
