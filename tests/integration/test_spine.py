@@ -61,17 +61,21 @@ def test_train_steps_then_resume(tiny_model, ray_cluster, tmp_path):
     assert state["data"] == it.state()
 
 
-def test_engine_matches_learner_after_sync(tiny_model, ray_cluster):
+@pytest.mark.parametrize("mode", ["auto", "broadcast"])
+def test_engine_matches_learner_after_sync(tiny_model, ray_cluster, mode):
     """After a training step and a weight sync, the engine's greedy tokens and logprobs equal the learner's.
-    Tolerance 1e-4 (both fp32 on CPU; different kernels, so not bit-exact)."""
+    Tolerance 1e-4 (both fp32 on CPU; different kernels, so not bit-exact). `auto` is the object store on CPU;
+    `broadcast` (gloo here, NCCL on GPUs) goes through the same driver wiring as a run on separate GPUs."""
     from rayrl import cluster
     from rayrl.actors.engine import Sampling
     from rayrl.types import TrainBatch
     from rayrl.train import sync_weights
 
-    cfg = load_config(None, tiny_overrides(tiny_model, "/tmp/unused", **{"rollout.num_workers": 1}))
+    cfg = load_config(None, tiny_overrides(tiny_model, "/tmp/unused", **{"rollout.num_workers": 1,
+                                                                         "engine.weight_sync": mode}))
     actors = cluster.start(cfg, tiny_model)
     try:
+        assert actors.weight_sync == ("object_store" if mode == "auto" else mode)
         engine, learner = actors.engines[0], actors.learners[0]
         prompt = [5, 17, 33, 2, 90, 41, 7]
         # a real optimizer step with large lr, so the weights clearly differ from the files the engine loaded
