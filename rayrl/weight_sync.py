@@ -2,14 +2,15 @@
 
 - object_store: learner rank 0 gathers the full state dict to CPU -> `WeightsPacket` (rayrl/weights.py) in Ray's
   object store -> each Engine writes it to /dev/shm and reloads. Works everywhere (CPU, hf backend); slowest.
-- cuda_ipc: engine and learner rank 0 share a GPU. Rank 0 owns one persistent flat GPU buffer; each sync copies
-  the parameters into it. The vLLM worker opens the buffer's CUDA IPC handle once and keeps views of it, so a
+- cuda_ipc: engine i shares a GPU with learner rank i (mod the world size; colocated placement). Each serving
+  rank owns one persistent flat GPU buffer; each sync copies the full parameters (every rank gathers them under
+  FSDP anyway) into it. The vLLM worker opens the buffer's CUDA IPC handle once and keeps views of it, so a
   sync is: copy + synchronize on the learner, then one small collective_rpc that loads from the cached views.
 - broadcast: a process group of learner rank 0 + every engine worker (nccl on GPU, gloo on CPU), made once with
   vLLM's stateless_init_torch_distributed_process_group. Rank 0 sends the layout once, then each sync broadcasts
   buckets of `engine.sync_bucket_mb` while the engine workers receive and load them.
-- auto: cuda_ipc when learner rank 0 and every engine sit on the same GPU, broadcast when they are on GPUs but
-  not the same one, object_store otherwise (CPU).
+- auto: cuda_ipc when every engine sits on its serving rank's GPU, broadcast when they are on GPUs otherwise,
+  object_store on CPU.
 
 The learner side lives in `Learner` (rayrl/actors/learner.py, "weights out"), the engine side in `Engine` and,
 inside vLLM's worker process, in `WorkerExtension` (vLLM's `worker_extension_cls`): collective_rpc calls its
@@ -124,16 +125,26 @@ def local_gpus() -> tuple[str, tuple[str, ...]]:
     return ctx.get_node_id(), tuple(str(g) for g in ctx.get_accelerator_ids().get("GPU", []))
 
 
-def resolve(mode: str, backend: str, learner_gpus: tuple, engine_gpus: list[tuple]) -> str:
-    """`auto` -> a concrete strategy, from where learner rank 0 and the engines run (see `local_gpus`)."""
+def serving_rank(engine: int, world_size: int) -> int:
+    """The learner rank whose GPU buffer engine `engine` loads from under cuda_ipc (colocated: engine i, rank i)."""
+    return engine % world_size
+
+
+def resolve(mode: str, backend: str, learner_gpus: list[tuple], engine_gpus: list[tuple]) -> str:
+    """`auto` -> a concrete strategy, from where the learner ranks and the engines run (see `local_gpus`):
+    cuda_ipc when every engine i shares a GPU with learner rank `serving_rank(i)`, broadcast when they are on
+    GPUs otherwise, object_store on CPU or with the hf backend."""
     if mode != "auto":
         return mode
-    if backend != "vllm" or not learner_gpus[1] or any(not g[1] for g in engine_gpus):
+    if backend != "vllm" or any(not g[1] for g in [*learner_gpus, *engine_gpus]):
         return "object_store"
-    node, gpus = learner_gpus
-    if all(n == node and set(g) & set(gpus) for n, g in engine_gpus):
+    if all(_same_gpu(g, learner_gpus[serving_rank(i, len(learner_gpus))]) for i, g in enumerate(engine_gpus)):
         return "cuda_ipc"
     return "broadcast"
+
+
+def _same_gpu(a: tuple, b: tuple) -> bool:
+    return a[0] == b[0] and bool(set(a[1]) & set(b[1]))
 
 
 def connect(cfg, learners: list, engines: list) -> str:
@@ -144,8 +155,9 @@ def connect(cfg, learners: list, engines: list) -> str:
     e = cfg.engine
     mode = e.weight_sync
     if mode == "auto":
-        places = ray.get([learners[0].gpus.remote()] + [eng.gpus.remote() for eng in engines], timeout=e.sync_timeout)
-        mode = resolve(mode, e.backend, places[0], places[1:])
+        places = ray.get([ln.gpus.remote() for ln in learners] + [eng.gpus.remote() for eng in engines],
+                         timeout=e.sync_timeout)
+        mode = resolve(mode, e.backend, places[:len(learners)], places[len(learners):])
     if mode == "broadcast":
         host, port = ray.get(learners[0].address.remote(), timeout=e.sync_timeout)
         sizes = ray.get([eng.weight_workers.remote() for eng in engines], timeout=e.sync_timeout)
@@ -167,9 +179,13 @@ def push(mode: str, learners: list, engines: list, version: int, timeout: float)
         wait({f"learner/{r}": ref for r, ref in enumerate(refs) if r > 0}, timeout, mode)
         wait({f"engine/{i}": eng.update_weights.remote(refs[0]) for i, eng in enumerate(engines)}, timeout, mode)
     elif mode == "cuda_ipc":
-        refs = [ln.ipc_handle.remote() for ln in learners]  # a collective; the handle comes from rank 0
+        # A collective: every rank gathers the full tensors; each rank that serves an engine (on its own GPU)
+        # copies them into its buffer and returns that buffer's handle.
+        serving = {serving_rank(i, len(learners)) for i in range(len(engines))}
+        refs = [ln.ipc_handle.remote(r in serving) for r, ln in enumerate(learners)]
         wait({f"learner/{r}": ref for r, ref in enumerate(refs)}, timeout, mode)
-        wait({f"engine/{i}": eng.load_ipc.remote(refs[0], version) for i, eng in enumerate(engines)}, timeout, mode)
+        wait({f"engine/{i}": eng.load_ipc.remote(refs[serving_rank(i, len(learners))], version)
+              for i, eng in enumerate(engines)}, timeout, mode)
     elif mode == "broadcast":
         # Senders and receivers meet inside the same collectives: they must run at the same time.
         sends = {f"learner/{r}": ln.send_weights.remote() for r, ln in enumerate(learners)}

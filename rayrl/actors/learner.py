@@ -246,11 +246,12 @@ class Learner:
         """(node id, GPU ids) of this rank, for engine.weight_sync=auto."""
         return weight_sync.local_gpus()
 
-    def ipc_handle(self) -> weight_sync.IpcHandle | None:
-        """cuda_ipc: the weights copied into rank 0's persistent GPU buffer; its handle on rank 0 (None elsewhere)."""
+    def ipc_handle(self, serve: bool = True) -> weight_sync.IpcHandle | None:
+        """cuda_ipc: the full weights copied into this rank's persistent GPU buffer, and its handle, when this rank
+        serves an engine on its GPU (`serve`); None otherwise. Every rank must call (the gathers are collectives)."""
         dtype = getattr(torch, self.cfg.model.dtype)
         tensors = weight_sync.full_tensors(self.model)
-        if self.rank != 0:
+        if not serve:
             for _ in tensors:  # take part in each all-gather
                 pass
             return None

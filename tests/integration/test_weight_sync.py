@@ -60,12 +60,16 @@ def test_layout_rejects_out_of_order_tensors():
 
 def test_auto_picks_by_placement():
     cpu, g0, g1 = ("n1", ()), ("n1", ("0",)), ("n1", ("1",))
-    assert weight_sync.resolve("auto", "vllm", cpu, [cpu]) == "object_store"
-    assert weight_sync.resolve("auto", "vllm", g0, [g0, g0]) == "cuda_ipc"
-    assert weight_sync.resolve("auto", "vllm", g0, [g0, g1]) == "broadcast"
-    assert weight_sync.resolve("auto", "vllm", g0, [("n2", ("0",))]) == "broadcast"  # same index, other node
-    assert weight_sync.resolve("auto", "hf", g0, [g0]) == "object_store"
-    assert weight_sync.resolve("broadcast", "vllm", cpu, [cpu]) == "broadcast"  # an explicit choice stands
+    assert weight_sync.resolve("auto", "vllm", [cpu], [cpu]) == "object_store"
+    assert weight_sync.resolve("auto", "vllm", [g0], [g0, g0]) == "cuda_ipc"
+    assert weight_sync.resolve("auto", "vllm", [g0], [g0, g1]) == "broadcast"
+    assert weight_sync.resolve("auto", "vllm", [g0], [("n2", ("0",))]) == "broadcast"  # same index, other node
+    assert weight_sync.resolve("auto", "hf", [g0], [g0]) == "object_store"
+    assert weight_sync.resolve("broadcast", "vllm", [cpu], [cpu]) == "broadcast"  # an explicit choice stands
+    # colocated on several GPUs: engine i on learner rank i's GPU -> each engine loads from its own rank
+    assert weight_sync.resolve("auto", "vllm", [g0, g1], [g0, g1]) == "cuda_ipc"
+    assert weight_sync.resolve("auto", "vllm", [g0, g1], [g1, g0]) == "broadcast"  # crossed: no shared GPU
+    assert [weight_sync.serving_rank(i, 2) for i in range(4)] == [0, 1, 0, 1]
 
 
 def test_config_rejects_unknown_mode_and_hf_with_broadcast():
