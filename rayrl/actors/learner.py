@@ -327,6 +327,9 @@ class Learner:
                 torch.cuda.set_rng_state_all(rng["cuda"])
 
     def shutdown(self) -> None:
+        if getattr(self, "_bcast", None) is not None:  # the learner -> engines weight group (broadcast)
+            self._bcast.close()
+            self._bcast = None
         if dist.is_initialized():
             dist.destroy_process_group()
 
