@@ -330,9 +330,6 @@ class WorkerExtension:
     """Mixed into vLLM's worker (`worker_extension_cls="rayrl.weight_sync.WorkerExtension"`); the Engine calls
     these by name through collective_rpc."""
 
-    def rayrl_gpu_uuid(self) -> str | None:
-        return str(torch.cuda.get_device_properties(torch.cuda.current_device()).uuid) if torch.cuda.is_available() else None
-
     def rayrl_ipc_load(self, buffer_id: str, blob: bytes | None, slots: list | None, device_uuid: str | None) -> int:
         rx = getattr(self, "_rayrl_ipc", None)
         if rx is None or rx[0] != buffer_id:
