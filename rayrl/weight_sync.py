@@ -6,6 +6,8 @@
   rank owns one persistent flat GPU buffer; each sync copies the full parameters (every rank gathers them under
   FSDP anyway) into it. The vLLM worker opens the buffer's CUDA IPC handle once and keeps views of it, so a
   sync is: copy + synchronize on the learner, then one small collective_rpc that loads from the cached views.
+  Both copies are fused once known: one rank copies its parameters with one `_foreach_copy_`, and the worker,
+  after its first `load_weights`, replays it as one `_foreach_copy_` into the parameters (`direct_copies`).
 - broadcast: a process group of learner rank 0 + every engine worker (nccl on GPU, gloo on CPU), made once with
   vLLM's stateless_init_torch_distributed_process_group. Rank 0 sends the layout once, then each sync broadcasts
   buckets of `engine.sync_bucket_mb` while the engine workers receive and load them.
@@ -103,6 +105,33 @@ def full_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
         if isinstance(t, DTensor):  # one rank: the local shard is the whole tensor, no collective needed
             t = t.full_tensor() if t.device_mesh.size() > 1 else t.to_local()
         yield name, t.detach()
+
+
+def local_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """One FSDP rank (or none): each state-dict entry as the tensor that holds it, in the model's own dtype. These
+    are views of the parameters' storage, which optimizer steps update in place, so a caller may keep the list
+    across steps (and must rebuild it when the parameters are replaced, e.g. by a checkpoint load)."""
+    from torch.distributed.tensor import DTensor
+
+    out = []
+    for name, t in model.state_dict().items():
+        if isinstance(t, DTensor):
+            if t.device_mesh.size() > 1:
+                raise ValueError("local_tensors needs one FSDP rank; with several, use full_tensors (a collective)")
+            t = t.to_local()
+        out.append((name, t.detach()))
+    return out
+
+
+def copy_all(bucket_views: list[tuple[str, torch.Tensor]], tensors: list[tuple[str, torch.Tensor]]) -> None:
+    """`fill` for a list given at once: the same name check, then one fused `_foreach_copy_` (casting where the
+    dtypes differ) instead of one Python-level copy per tensor."""
+    names = [n for n, _ in bucket_views]
+    if names != [n for n, _ in tensors]:
+        bad = next(i for i, (a, b) in enumerate(zip(names, [n for n, _ in tensors] + [None] * len(names))) if a != b)
+        got = tensors[bad][0] if bad < len(tensors) else None
+        raise RuntimeError(f"weight sync layout out of date: expected {names[bad]!r}, the model gave {got!r}")
+    torch._foreach_copy_([v for _, v in bucket_views], [t.view(v.shape) for (_, v), (_, t) in zip(bucket_views, tensors)])
 
 
 def fill(bucket_views: list[tuple[str, torch.Tensor]], tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
@@ -242,8 +271,13 @@ class IpcSender:
                                 [(s.name, list(s.shape), s.dtype, s.offset) for s in self.bucket],
                                 str(torch.cuda.get_device_properties(device).uuid))
 
-    def update(self, tensors: Iterator[tuple[str, torch.Tensor]]) -> IpcHandle:
-        fill(self.views, tensors)
+    def update(self, tensors: Iterator[tuple[str, torch.Tensor]] | list[tuple[str, torch.Tensor]]) -> IpcHandle:
+        """Copy the full tensors in: a list (one rank: `local_tensors`) in one fused copy, an iterator (several
+        ranks: `full_tensors`, which all-gathers as it goes) one at a time."""
+        if isinstance(tensors, list):
+            copy_all(self.views, tensors)
+        else:
+            fill(self.views, tensors)
         torch.cuda.synchronize(self.buf.device)  # the engine reads from another process: the copies must be done
         return self.handle
 
@@ -261,6 +295,43 @@ class IpcReceiver:
         args[6] = here  # the learner's device index may differ from ours for the same GPU
         self.buf = fn(*args)
         self.views = views(self.buf, [Slot(n, tuple(s), d, o) for n, s, d, o in slots])
+        self.copies: tuple[list, list] | None = None  # (destinations, sources), once direct_copies checked them
+
+
+def direct_copies(model: torch.nn.Module, sources: list[tuple[str, torch.Tensor]]) -> tuple[list, list] | None:
+    """What `model.load_weights(sources)` did, as plain copies: (destination views, source tensors) such that
+    `torch._foreach_copy_(destinations, sources)` gives every parameter the same value. Call right after that
+    load_weights: the plan is kept only if every parameter already equals what it would copy (a parameter that
+    is one checkpoint tensor, or several stacked along dim 0 as vLLM's `packed_modules_mapping` fuses q/k/v and
+    gate/up) and every source is used. None otherwise (tensor-parallel shards, quantized or repacked layers,
+    tied embeddings...): the caller keeps calling load_weights."""
+    src = dict(sources)
+    packed: dict[str, list[str]] = getattr(model, "packed_modules_mapping", None) or {}
+    dsts: list[torch.Tensor] = []
+    srcs: list[torch.Tensor] = []
+    used: set[str] = set()
+    for name, p in model.named_parameters():
+        parts = [name] if name in src else None
+        for fused, members in packed.items():
+            if parts is None and fused in name.split("."):
+                parts = [".".join(m if x == fused else x for x in name.split(".")) for m in members]
+        if parts is None or not all(n in src for n in parts):
+            return None
+        offset = 0
+        for n in parts:
+            t = src[n]
+            if t.dtype != p.dtype or t.dim() != p.dim() or t.shape[1:] != p.shape[1:] or offset + t.shape[0] > p.shape[0]:
+                return None
+            dst = p.data.narrow(0, offset, t.shape[0]) if p.dim() else p.data
+            if not torch.equal(dst, t):  # load_weights did something other than this copy
+                return None
+            dsts.append(dst)
+            srcs.append(t)
+            used.add(n)
+            offset += t.shape[0] if p.dim() else 1
+        if offset != (p.shape[0] if p.dim() else 1):
+            return None
+    return (dsts, srcs) if used == set(src) else None
 
 
 # --- broadcast ----------------------------------------------------------------------------------------
@@ -336,8 +407,14 @@ class WorkerExtension:
             if blob is None:
                 raise RuntimeError(f"IPC buffer {buffer_id} was never opened in this worker")
             self._rayrl_ipc = rx = (buffer_id, IpcReceiver(blob, slots, device_uuid))
-        _load(self, [rx[1].views])
-        return len(rx[1].views)
+        r = rx[1]
+        if r.copies is not None:  # the views never move: the same copies load every later sync
+            torch._foreach_copy_(*r.copies)
+            torch.cuda.synchronize()
+        else:
+            _load(self, [r.views])
+            r.copies = direct_copies(self.model_runner.get_model(), r.views)
+        return len(r.views)
 
     def rayrl_join_group(self, host: str, port: int, rank_offset: int, world_size: int, backend: str,
                          timeout: float) -> None:

@@ -8,6 +8,7 @@ and their logprobs; nothing is re-tokenized.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import shutil
 import tempfile
@@ -158,9 +159,11 @@ class _VLLM:
         # No per-request seed: on CPU it kills the engine ("CPU Generator does not use offset").
         # FINAL_ONLY + no detokenization: callers use the final token ids only (the gateway decodes them itself);
         # per-token outputs and text cost host time that LLM.generate does not spend.
+        # flat_logprobs: the sampled tokens' logprobs as flat lists, not a dict and a Logprob object per token (GC
+        # and allocation on the host, which bounds a small model's throughput).
         params = SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, logprobs=0,
                                 stop_token_ids=s.stop_token_ids, skip_special_tokens=False, ignore_eos=s.ignore_eos,
-                                output_kind=RequestOutputKind.FINAL_ONLY, detokenize=False)
+                                output_kind=RequestOutputKind.FINAL_ONLY, detokenize=False, **_flat_logprobs())
         final = None
         async for out in self.llm.generate({"prompt_token_ids": list(prompt_ids)}, params, request_id):
             final = out
@@ -168,8 +171,7 @@ class _VLLM:
             return [], [], "abort"
         c = final.outputs[0]
         ids = list(c.token_ids)
-        lps = [lp[t].logprob for lp, t in zip(c.logprobs or [], ids)]
-        return ids, lps, c.finish_reason or "stop"
+        return ids, sampled_logprobs(c.logprobs, ids), c.finish_reason or "stop"
 
     async def abort(self, request_id: str) -> None:
         await self.llm.abort(request_id)
@@ -208,6 +210,24 @@ class _VLLM:
     def shutdown(self) -> None:
         self.llm.shutdown()
         shutil.rmtree(self.shm, ignore_errors=True)
+
+
+@functools.cache
+def _flat_logprobs() -> dict:
+    """SamplingParams(flat_logprobs=True) where this vLLM has it (0.11+), else nothing."""
+    from vllm import SamplingParams
+
+    return {"flat_logprobs": True} if "flat_logprobs" in getattr(SamplingParams, "__struct_fields__", ()) else {}
+
+
+def sampled_logprobs(logprobs, ids: list[int]) -> list[float]:
+    """The sampled token's logprob at each position, from vLLM's FlatLogprobs (logprobs=0: one entry per position,
+    the sampled token) or the older list of {token id: Logprob}."""
+    if logprobs is None:
+        return []
+    if hasattr(logprobs, "start_indices"):  # each position's entries start with the sampled token
+        return [logprobs.logprobs[i] for i in logprobs.start_indices]
+    return [lp[t].logprob for lp, t in zip(logprobs, ids)]
 
 
 class _HF:

@@ -250,7 +250,12 @@ class Learner:
         """cuda_ipc: the full weights copied into this rank's persistent GPU buffer, and its handle, when this rank
         serves an engine on its GPU (`serve`); None otherwise. Every rank must call (the gathers are collectives)."""
         dtype = getattr(torch, self.cfg.model.dtype)
-        tensors = weight_sync.full_tensors(self.model)
+        if self.world_size == 1:  # the whole model is local: copy it in one go from cached views of the parameters
+            if getattr(self, "_local", None) is None:
+                self._local = weight_sync.local_tensors(self.model)
+            tensors = self._local
+        else:
+            tensors = weight_sync.full_tensors(self.model)
         if not serve:
             for _ in tensors:  # take part in each all-gather
                 pass
@@ -313,6 +318,7 @@ class Learner:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+        self._local = None  # the load may replace parameter storage: rebuild the cached views (ipc_handle)
         model_sd, optim_sd = get_state_dict(self.model, self.optim)
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=os.path.join(ckpt_dir, "learner"))

@@ -150,3 +150,76 @@ def test_broadcast_sync_engine_matches_learner(tiny_model, ray_cluster, ranks):
         ray.get([engine.shutdown.remote()] + [ln.shutdown.remote() for ln in learners], timeout=60)
         for a in [engine, *learners]:
             ray.kill(a)
+
+
+def test_copy_all_matches_fill_and_checks_names():
+    ts = _tensors()
+    (b,) = plan([(k, tuple(v.shape), "bfloat16" if v.is_floating_point() else "int64") for k, v in ts.items()])
+    one, two = (torch.zeros(bucket_nbytes(b), dtype=torch.uint8) for _ in range(2))
+    weight_sync.fill(views(one, b), iter(ts.items()))
+    weight_sync.copy_all(views(two, b), list(ts.items()))  # casting fp32/fp16 -> bf16 in the same fused copy
+    assert torch.equal(one, two)
+    with pytest.raises(RuntimeError, match="expected 'embed', the model gave 'norm'"):
+        weight_sync.copy_all(views(two, b), list(ts.items())[1:])
+
+
+class _FusedModel(torch.nn.Module):
+    """vLLM's layout of a Qwen2/Llama layer: q/k/v and gate/up stacked into one parameter each."""
+
+    packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+
+    def __init__(self):
+        super().__init__()
+        self.qkv_proj = torch.nn.Linear(4, 8)  # q: 4 rows, k: 2, v: 2
+        self.gate_up_proj = torch.nn.Linear(4, 6, bias=False)
+        self.norm = torch.nn.Parameter(torch.zeros(4))
+
+
+def _checkpoint(seed: int) -> list[tuple[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"q_proj.weight": (4, 4), "k_proj.weight": (2, 4), "v_proj.weight": (2, 4), "q_proj.bias": (4,),
+              "k_proj.bias": (2,), "v_proj.bias": (2,), "gate_proj.weight": (3, 4), "up_proj.weight": (3, 4),
+              "norm": (4,)}
+    return [(k, torch.randn(s, generator=g)) for k, s in shapes.items()]
+
+
+def _load_weights(model, ckpt):  # what vLLM's load_weights does for this layout
+    c = dict(ckpt)
+    with torch.no_grad():
+        for fused, parts in model.packed_modules_mapping.items():
+            for kind in ("weight", "bias"):
+                p = getattr(getattr(model, fused), kind)
+                if p is not None:
+                    p.copy_(torch.cat([c[f"{n}.{kind}"] for n in parts]))
+        model.norm.copy_(c["norm"])
+
+
+def test_direct_copies_replay_load_weights():
+    model = _FusedModel()
+    first = _checkpoint(0)
+    _load_weights(model, first)
+    buf = [(k, v.clone()) for k, v in first]  # the engine's persistent views of the learner's buffer
+    copies = weight_sync.direct_copies(model, buf)
+    assert copies is not None and len(copies[0]) == len(first)
+    second = _checkpoint(1)
+    for (_, view), (_, new) in zip(buf, second):  # the learner writes the next weights into the same buffer
+        view.copy_(new)
+    torch._foreach_copy_(*copies)
+    expected = _FusedModel()
+    _load_weights(expected, second)
+    for (name, p), (_, q) in zip(model.named_parameters(), expected.named_parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_direct_copies_refuses_what_is_not_a_plain_copy():
+    model = _FusedModel()
+    ckpt = _checkpoint(0)
+    _load_weights(model, ckpt)
+    with torch.no_grad():
+        model.norm.mul_(2)  # a load that transforms a weight (e.g. repacking)
+    assert weight_sync.direct_copies(model, ckpt) is None
+    _load_weights(model, ckpt)
+    assert weight_sync.direct_copies(model, ckpt + [("lm_head.weight", torch.zeros(3, 4))]) is None  # unused source
+    half = [(k, v[: v.shape[0] // 2]) if k.startswith("q_proj") else (k, v) for k, v in ckpt]  # a TP shard's shapes
+    assert weight_sync.direct_copies(model, half) is None
+    assert weight_sync.direct_copies(model, [kv for kv in ckpt if kv[0] != "up_proj.weight"]) is None  # missing

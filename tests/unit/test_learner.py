@@ -60,3 +60,28 @@ def test_step_records_trace_spans(learner):
         assert outer["start"] <= e["start"] <= e["end"] <= outer["end"] and e["rank"] == 0
     for a, b in zip(events[:-1], events[1:-1]):  # one after another
         assert a["end"] <= b["start"]
+
+
+def test_cached_local_views_follow_optimizer_steps_and_loads(learner, tmp_path):
+    """cuda_ipc on one rank copies from views of the parameters cached at the first sync: they must show every
+    later step's weights (the optimizer updates in place) and a checkpoint load's, never a stale copy."""
+    import torch
+
+    from rayrl import weight_sync
+
+    def fresh():
+        return {k: v.clone() for k, v in weight_sync.full_tensors(learner.model)}
+
+    cached = weight_sync.local_tensors(learner.model)
+    assert [k for k, _ in cached] == list(fresh())
+    learner.save(str(tmp_path))
+    before = fresh()
+    learner.train_step(BATCH)
+    after = fresh()
+    assert not torch.equal(before["lm_head.weight"], after["lm_head.weight"])
+    for name, t in cached:
+        assert torch.equal(t, after[name]), name
+    learner.load(str(tmp_path))  # the learner drops its cached list here; whatever it rebuilds must match the load
+    rebuilt = weight_sync.local_tensors(learner.model)
+    for name, t in rebuilt:
+        assert torch.equal(t, before[name]), name
