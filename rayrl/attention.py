@@ -10,6 +10,7 @@ On CPU (tests) the same function runs causal sdpa per sequence, so the plumbing 
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -35,18 +36,33 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
         raise RuntimeError(f"{NAME} attention runs on packed rows only (one row with cu_seq_lens_q); "
                            "the learner passes them when learner.pack is true")
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # -> [T, H, D]
-    if k.shape[1] != q.shape[1]:  # grouped-query attention: each kv head serves Hq / Hkv query heads
+    gqa = k.shape[1] != q.shape[1]  # grouped-query attention: each kv head serves Hq / Hkv query heads
+    if gqa and not (q.is_cuda and "enable_gqa" in _varlen_params()):
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-    out = _flash(q, k, v, cu, int(longest), scaling) if q.is_cuda else _reference(q, k, v, cu, scaling)
+        gqa = False
+    out = _flash(q, k, v, cu, longest, scaling, gqa) if q.is_cuda else _reference(q, k, v, cu, scaling)
     return out.unsqueeze(0), None
 
 
-def _flash(q, k, v, cu, longest: int, scale: float | None) -> torch.Tensor:
+@functools.cache
+def _varlen_params() -> frozenset[str]:
+    """varlen_attn's keyword names in this torch (2.10: is_causal; later: a causal window, enable_gqa), read once:
+    inspect inside the forward would break a torch.compile graph."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return frozenset()
+    return frozenset(inspect.signature(varlen_attn).parameters)
+
+
+def _flash(q, k, v, cu, longest: int, scale: float | None, gqa: bool) -> torch.Tensor:
     from torch.nn.attention.varlen import varlen_attn
 
-    params = inspect.signature(varlen_attn).parameters  # torch 2.10 has is_causal; later ones a causal window
-    kw = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
+    params = _varlen_params()
+    kw: dict = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
+    if gqa:  # the kernel reads the shared kv heads itself: no repeated copy of k and v
+        kw["enable_gqa"] = True
     if scale is not None and "scale" in params:
         kw["scale"] = scale
     elif scale is not None and abs(scale - q.shape[-1] ** -0.5) > 1e-9:

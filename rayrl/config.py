@@ -119,6 +119,9 @@ class LearnerConfig:
     # (verl's ppo_max_token_len_per_gpu); a longer sequence goes alone. 0 = micro_batch_size sequences each
     max_tokens_per_micro_batch: int = 0
     pack: bool = True  # padding-free packed rows (position_ids restart per sequence); false = right-padded
+    # torch.compile each decoder layer's forward and the log-prob kernels (fuses norms, rotary, activations and the
+    # fp32 log-softmax; dynamic shapes, so varying micro-batch sizes do not recompile). First step pays the compile
+    compile: bool = False
     ppo_epochs: int = 1
     timeout: float = 1800.0  # seconds one learner call may take
 

@@ -8,6 +8,7 @@ the model and the optimizer state. The driver gives each rank an equal share of 
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import random
 import socket
@@ -64,6 +65,9 @@ class Learner:
             model.gradient_checkpointing_enable()
         model.config.use_cache = False
         model.to(self.device)
+        if self.cfg.learner.compile:  # the forward only: FSDP's hooks around it stay eager (torchtitan does the same)
+            for layer in model.model.layers:
+                layer.forward = torch.compile(layer.forward, dynamic=True)
         mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
         # Shard each decoder layer, then the root (embeddings, norm, lm_head) — FSDP2's usual wrapping.
         for layer in model.model.layers:
@@ -136,7 +140,7 @@ class Learner:
             logits = model(input_ids=ids.to(self.device), attention_mask=attn.to(self.device)).logits[rows, cols]
         targets = torch.tensor([t for r in resps for t in r], device=self.device)
         # temperature: the distribution the tokens were sampled from
-        lp = token_logprobs(logits, targets, self.cfg.rollout.temperature)
+        lp = token_logprobs(logits, targets, self.cfg.rollout.temperature, compiled=self.cfg.learner.compile)
         t_resp = max(len(r) for r in resps)
         rows = torch.tensor([j for j, r in enumerate(resps) for _ in r], device=self.device)
         cols = torch.tensor([k for r in resps for k in range(len(r))], device=self.device)
@@ -147,11 +151,23 @@ class Learner:
     def _padded(self, rows: list[list[float]], width: int) -> torch.Tensor:
         return torch.tensor([list(r) + [0.0] * (width - len(r)) for r in rows], dtype=torch.float32, device=self.device)
 
-    def _clock(self) -> float:
-        """Wall-clock time for the trace's learner spans; on GPU after the queued kernels ran (only when tracing)."""
-        if self.use_cuda and self.cfg.trainer.trace:
-            torch.cuda.synchronize()
-        return time.time()
+    def _mark(self):
+        """A point in the step for the trace's learner spans: on GPU a CUDA event on the stream (no synchronize, so
+        the CPU keeps queueing work; `_times` reads them after the step's last sync), elsewhere the wall clock."""
+        if not self.use_cuda:
+            return time.time()
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def _times(self, events: list[dict], origin_wall: float, origin) -> None:
+        """Turn the events' marks into wall-clock seconds (GPU: the origin's wall time + the GPU time since it)."""
+        if not self.use_cuda:
+            return
+        torch.cuda.synchronize()
+        for e in events:
+            for key in ("start", "end"):
+                e[key] = origin_wall + origin.elapsed_time(e[key]) / 1000
 
     @torch.no_grad()
     def compute_logprobs(self, batch: TrainBatch) -> list[list[float]]:
@@ -171,7 +187,8 @@ class Learner:
         is the current one, so old = current.detach() and the ratio is exactly 1 — the recompute would be
         a second identical forward pass.
         """
-        t0, start = time.perf_counter(), time.time()
+        t0, start_wall = time.perf_counter(), time.time()
+        start = self._mark()
         self.model.train()
         self.optim.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
@@ -181,7 +198,7 @@ class Learner:
             events.append({"name": name, "start": s, "end": e, "rank": self.rank, "args": args})
 
         for k, idx in enumerate(self._micro_batches(batch)):
-            f0 = time.time()
+            f0 = self._mark()
             lp, mask, adv = self._logprobs(batch, idx)
             old = lp.detach() if old_logprobs is None else self._padded([old_logprobs[i] for i in idx], lp.shape[1])
             # Normalised by mini-batch-wide counts, so summing micro-batches and averaging ranks (FSDP) gives
@@ -194,30 +211,33 @@ class Learner:
                                               global_token_count=batch.global_tokens,
                                               global_seq_count=batch.global_seqs, dp_size=self.world_size,
                                               loss_scale_factor=self.cfg.rollout.max_response_length)
-            f1 = self._clock()
+            f1 = self._mark()
             loss.backward()
-            b1 = self._clock()
+            b1 = self._mark()
             tokens = sum(len(batch.prompt_ids[i]) + len(batch.response_ids[i]) for i in idx)
             event("forward", f0, f1, micro_batch=k, sequences=len(idx), tokens=tokens)
             event("backward", f1, b1, micro_batch=k, sequences=len(idx), tokens=tokens)
-            share = mask.sum().item() / max(batch.global_tokens, 1)  # weight of this micro-batch's token means
-            sums["loss"] = sums.get("loss", 0.0) + loss.item() / self.world_size
+            # No .item() after backward: the next micro-batch's inputs are built while the GPU still runs this one.
+            share = sum(sum(batch.loss_mask[i]) for i in idx) / max(batch.global_tokens, 1)  # its token means' weight
+            sums["loss"] = sums.get("loss", 0.0) + loss.detach() / self.world_size
             for key in ("pg_clipfrac", "ppo_kl"):
                 sums[key] = sums.get(key, 0.0) + float(metrics[key]) * share
             if "kl_loss" in metrics:  # already this micro-batch's share of the mini-batch value
                 sums["kl_loss"] = sums.get("kl_loss", 0.0) + float(metrics["kl_loss"]) / self.world_size
-        o0 = time.time()
+        o0 = self._mark()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.learner.grad_clip)
         grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
         if np.isfinite(grad_norm):
             self.optim.step()
         else:
             self.optim.zero_grad(set_to_none=True)  # skip a step whose gradients overflowed
-        end = self._clock()
+        end = self._mark()
         event("optimizer_step", o0, end, grad_norm=grad_norm)
         event("train_step", start, end, sequences=len(batch))
+        self._times(events, start_wall, start)  # on GPU: waits for the step to finish (seconds below include it)
         # loss, pg_clipfrac, ppo_kl are this rank's shares of the mini-batch values: the driver sums over ranks
-        return StepStats(loss=sums.get("loss", 0.0), pg_clipfrac=sums.get("pg_clipfrac", 0.0),
+        sums["loss"] = float(sums.get("loss", 0.0))
+        return StepStats(loss=sums["loss"], pg_clipfrac=sums.get("pg_clipfrac", 0.0),
                          ppo_kl=sums.get("ppo_kl", 0.0), grad_norm=grad_norm, entropy=0.0,
                          num_tokens=int(sum(sum(m) for m in batch.loss_mask)), seconds=time.perf_counter() - t0,
                          extra={k: v for k, v in sums.items() if k not in ("loss", "pg_clipfrac", "ppo_kl")},
@@ -367,38 +387,60 @@ def token_budget_bins(lengths: list[int], budget: int, min_bins: int = 0) -> lis
 LOGPROB_CHUNK = 4096  # rows of fp32 [rows, vocab] at a time in token_logprobs (2.5 GB for a 151k vocabulary)
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
+                   compiled: bool = False) -> torch.Tensor:
     """log_softmax(logits / temperature)[n, targets[n]] in fp32 for [N, V] logits of any dtype.
 
     Same values as `(logits.float() / t).log_softmax(-1).gather(...)`, but the fp32 copy exists LOGPROB_CHUNK rows
-    at a time, in backward too (which recomputes the softmax), instead of [N, V] fp32 held for autograd."""
-    return _TokenLogprobs.apply(logits, targets, temperature)
+    at a time, in backward too (which recomputes the softmax), instead of [N, V] fp32 held for autograd.
+    `compiled`: each chunk's arithmetic is one torch.compile'd function (a fused kernel or two: the logits are read
+    once per pass instead of once per elementwise op)."""
+    return _TokenLogprobs.apply(logits, targets, temperature, _kernels(compiled))
+
+
+def _chunk_forward(logits: torch.Tensor, targets: torch.Tensor, temperature: float):
+    x = logits.float() / temperature
+    lse = torch.logsumexp(x, -1)
+    return x.gather(-1, targets[:, None])[:, 0] - lse, lse
+
+
+def _chunk_backward(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor, grad: torch.Tensor,
+                    temperature: float) -> torch.Tensor:
+    # d logprob / d scaled logits = onehot(target) - softmax
+    d = torch.exp(logits.float() / temperature - lse[:, None]) * -grad[:, None]
+    d = d.scatter_add(-1, targets[:, None], grad[:, None])
+    return (d / temperature).to(logits.dtype)
+
+
+@functools.cache
+def _kernels(compiled: bool):
+    if not compiled:
+        return _chunk_forward, _chunk_backward
+    return torch.compile(_chunk_forward, dynamic=True), torch.compile(_chunk_backward, dynamic=True)
 
 
 class _TokenLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, temperature: float, kernels) -> torch.Tensor:
+        fwd, _ = kernels
         out = torch.empty(len(targets), dtype=torch.float32, device=logits.device)
         lse = torch.empty_like(out)
         for s in range(0, len(targets), LOGPROB_CHUNK):
-            lg = logits[s : s + LOGPROB_CHUNK].float() / temperature
-            lse[s : s + LOGPROB_CHUNK] = torch.logsumexp(lg, -1)
-            out[s : s + LOGPROB_CHUNK] = lg.gather(-1, targets[s : s + LOGPROB_CHUNK, None])[:, 0] - lse[s : s + LOGPROB_CHUNK]
+            out[s : s + LOGPROB_CHUNK], lse[s : s + LOGPROB_CHUNK] = fwd(logits[s : s + LOGPROB_CHUNK],
+                                                                         targets[s : s + LOGPROB_CHUNK], temperature)
         ctx.save_for_backward(logits, targets, lse)
-        ctx.temperature = temperature
+        ctx.temperature, ctx.kernels = temperature, kernels
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         logits, targets, lse = ctx.saved_tensors
+        _, bwd = ctx.kernels
         grad_logits = torch.empty_like(logits)
         for s in range(0, len(targets), LOGPROB_CHUNK):
-            g = grad[s : s + LOGPROB_CHUNK, None]
-            # d logprob / d scaled logits = onehot(target) - softmax
-            d = torch.exp(logits[s : s + LOGPROB_CHUNK].float() / ctx.temperature - lse[s : s + LOGPROB_CHUNK, None]) * -g
-            d.scatter_add_(-1, targets[s : s + LOGPROB_CHUNK, None], g)
-            grad_logits[s : s + LOGPROB_CHUNK] = (d / ctx.temperature).to(logits.dtype)
-        return grad_logits, None, None
+            sl = slice(s, s + LOGPROB_CHUNK)
+            grad_logits[sl] = bwd(logits[sl], targets[sl], lse[sl], grad[sl], ctx.temperature)
+        return grad_logits, None, None, None
 
 
 def _replace_dir(tmp: str, final: str) -> None:
