@@ -401,7 +401,8 @@ class WorkerExtension:
     """Mixed into vLLM's worker (`worker_extension_cls="rayrl.weight_sync.WorkerExtension"`); the Engine calls
     these by name through collective_rpc."""
 
-    def rayrl_ipc_load(self, buffer_id: str, blob: bytes | None, slots: list | None, device_uuid: str | None) -> int:
+    def rayrl_ipc_load(self, buffer_id: str, blob: bytes | None, slots: list | None, device_uuid: str | None) -> str:
+        """Load from the learner's buffer; returns how: "direct_copies" or "load_weights"."""
         rx = getattr(self, "_rayrl_ipc", None)
         if rx is None or rx[0] != buffer_id:
             if blob is None:
@@ -411,10 +412,10 @@ class WorkerExtension:
         if r.copies is not None:  # the views never move: the same copies load every later sync
             torch._foreach_copy_(*r.copies)
             torch.cuda.synchronize()
-        else:
-            _load(self, [r.views])
-            r.copies = direct_copies(self.model_runner.get_model(), r.views)
-        return len(r.views)
+            return "direct_copies"
+        _load(self, [r.views])
+        r.copies = direct_copies(self.model_runner.get_model(), r.views)
+        return "load_weights"
 
     def rayrl_join_group(self, host: str, port: int, rank_offset: int, world_size: int, backend: str,
                          timeout: float) -> None:

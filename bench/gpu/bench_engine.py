@@ -12,8 +12,9 @@ Parts (each appends one JSON line to DIR/bench.jsonl and prints a table line):
           (`Learner.ipc_handle` -> `Engine.load_ipc`), each against a device-to-device copy of the same bytes;
           engine-vs-learner logprob agreement after each sync.
 - sync05: the same two syncs for a random-init Qwen2.5-0.5B-shaped model (untied lm_head).
-- learner: the learner's training throughput / MFU on that model: right-padded micro-batches against padding-free
-          packed rows (varlen flash attention, rayrl/attention.py) at two token budgets.
+- learner: the learner's training throughput / MFU on that model: padding-free packed rows (varlen flash
+          attention, rayrl/attention.py), eager and with learner.compile, at two token budgets (--padded: also the
+          old right-padded path); a profile of the compiled step.
 
 Prompts: reasoning-gym basic_arithmetic (rayrl's default job data) through SmolLM2's chat template, 1024 prompts
 n=1 and 128 prompts x n=8, 256 new tokens, temperature 1, the sampled token's logprob.
@@ -125,14 +126,15 @@ def part_vllm(args) -> None:
     del llm
 
 
-def _learner(model_path: str, lr: float, micro: int = 8, pack: bool = True, budget: int = 0):
+def _learner(model_path: str, lr: float, micro: int = 8, pack: bool = True, budget: int = 0, compile: bool = False):
     from rayrl.actors.learner import Learner
     from rayrl.config import load_config
 
     cfg = load_config(None, [f"model.path={model_path}", "model.dtype=bfloat16", "learner.gpus_per_worker=1",
                              f"learner.lr={lr}", f"learner.micro_batch_size={micro}", "data.max_prompt_length=256",
                              "rollout.max_response_length=768", f"learner.pack={pack}",
-                             f"learner.max_tokens_per_micro_batch={budget}"], check_files=False)
+                             f"learner.max_tokens_per_micro_batch={budget}", f"learner.compile={compile}"],
+                      check_files=False)
     ln = Learner(model_path, cfg)
     t0 = time.perf_counter()
     nparams = ln.setup()
@@ -172,7 +174,8 @@ async def ipc_sync(ln, eng, version: int) -> dict:
     t1 = time.perf_counter()
     await eng.load_ipc(handle, version)
     t2 = time.perf_counter()
-    return {"copy_s": t1 - t0, "load_s": t2 - t1, "total_s": t2 - t0, "bytes": ln._ipc.buf.numel()}
+    return {"copy_s": t1 - t0, "load_s": t2 - t1, "total_s": t2 - t0, "bytes": ln._ipc.buf.numel(),
+            "worker_load": eng._backend.ipc_loads}
 
 
 async def rayrl_sync(ln, eng, version: int) -> dict:
@@ -184,7 +187,7 @@ async def rayrl_sync(ln, eng, version: int) -> dict:
     return {"weights_s": t1 - t0, "update_s": upd, "total_s": time.perf_counter() - t0, "bytes": packet.nbytes}
 
 
-async def sync_suite(ln, eng, ps, tag: str, reps: int = 4) -> None:
+async def sync_suite(ln, eng, ps, tag: str, reps: int = 6) -> None:
     """rayrl's object_store and cuda_ipc strategies, each after a real optimizer step (so the weights differ), with
     logprob agreement. The first run of each is reported apart (cuda_ipc allocates its buffer and opens the
     handle then); the median is over the later, steady-state runs."""
@@ -266,15 +269,19 @@ def make_qwen05(target: str, tok_from: str) -> str:
     return target
 
 
-def train_throughput(ln, lengths: list[int], prompt_len: int, vocab: int, steps: int = 3) -> dict:
-    """Optimizer steps on sequences of the given lengths (random tokens); FLOPs of the real tokens only."""
+def train_throughput(ln, lengths: list[int], prompt_len: int, vocab: int, steps: int = 3, profile: str = "") -> dict:
+    """Optimizer steps on sequences of the given lengths (random tokens); FLOPs of the work each token needs: every
+    weight matrix at every position except the lm_head, which only the response-predicting positions need (the
+    packed path computes it there only), plus causal attention within each sequence."""
     vocab = min(vocab, ln.model.config.vocab_size)
     g = torch.Generator().manual_seed(0)
     ids = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
     b = _batch([s[:prompt_len] for s in ids], [s[prompt_len:] for s in ids],
                adv=[1.0 if i % 2 else -1.0 for i in range(len(ids))])
     cuda = torch.cuda.is_available()
-    ln.train_step(b)  # warm-up
+    w0 = time.perf_counter()
+    ln.train_step(b)  # warm-up (and, with learner.compile, the compilation)
+    warmup_s = time.perf_counter() - w0
     if cuda:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -285,16 +292,34 @@ def train_throughput(ln, lengths: list[int], prompt_len: int, vocab: int, steps:
         torch.cuda.synchronize()
     dt = (time.perf_counter() - t0) / steps
     m = ln.model.config
-    n_matmul = sum(p.numel() for n, p in ln.model.named_parameters() if "embed_tokens" not in n)
+    named = dict(ln.model.named_parameters())
+    head = named["lm_head.weight"].numel()
+    body = sum(p.numel() for n, p in named.items() if "embed_tokens" not in n and n != "lm_head.weight")
     tokens = sum(lengths)
-    # 6 N per token for the matmuls, plus causal attention: 6 * layers * hidden * n^2 per sequence of n tokens
-    flops = 6 * n_matmul * tokens + sum(6 * m.num_hidden_layers * m.hidden_size * n * n for n in lengths)
+    predicted = sum(n - prompt_len for n in lengths)
+    attn = sum(6 * m.num_hidden_layers * m.hidden_size * n * n for n in lengths)  # causal: half of 12 L d n^2
+    flops = 6 * body * tokens + 6 * head * predicted + attn
+    if profile and cuda:  # one more step under the profiler: where the GPU time goes, and how busy the GPU is
+        from torch.profiler import ProfilerActivity, profile as prof
+
+        with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+            t1 = time.perf_counter()
+            ln.train_step(b)
+            torch.cuda.synchronize()
+            wall = time.perf_counter() - t1
+        rows = p.key_averages()
+        busy = sum(r.self_device_time_total for r in rows) / 1e6
+        with open(os.path.join(OUT, profile), "w") as f:
+            f.write(f"step wall {wall:.3f} s, GPU kernel time {busy:.3f} s ({busy / wall:.0%} busy)\n\n")
+            f.write(rows.table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=90))
+        print(f"profile: step {wall:.3f} s, kernels {busy:.3f} s -> {OUT}/{profile}", flush=True)
     lc = ln.cfg.learner
     return {"seqs": len(lengths), "tokens": tokens, "len_min": min(lengths), "len_max": max(lengths),
-            "pack": lc.pack, "max_tokens_per_micro_batch": lc.max_tokens_per_micro_batch,
+            "pack": lc.pack, "compile": lc.compile, "max_tokens_per_micro_batch": lc.max_tokens_per_micro_batch,
             "micro_batch": lc.micro_batch_size, "attn": ln.model.config._attn_implementation, "step_s": dt,
-            "tok_s": tokens / dt, "tflops": flops / dt / 1e12, "mfu": flops / dt / PEAK_BF16,
-            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None, "matmul_params": n_matmul}
+            "warmup_s": warmup_s, "tok_s": tokens / dt, "tflops": flops / dt / 1e12, "mfu": flops / dt / PEAK_BF16,
+            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
+            "flops_per_step": flops, "params_body": body, "params_lm_head": head}
 
 
 async def part_sync05(args) -> None:
@@ -312,22 +337,27 @@ async def part_sync05(args) -> None:
 
 
 def part_learner(args) -> None:
-    """Learner throughput / MFU on the 0.5B shape: 64 sequences of 512-4096 tokens (prompt 256), right-padded
-    micro-batches (the old path) against padding-free packed rows (varlen flash attention) at two token budgets."""
+    """Learner throughput / MFU on the 0.5B shape: 64 sequences of 512-4096 tokens (prompt 256) in padding-free
+    packed rows (varlen flash attention), eager against learner.compile, at two token budgets; the compiled
+    32k run is profiled (OUT/learner_profile.txt)."""
     from rayrl.models import resolve_model
 
     path = make_qwen05("/tmp/rayrl-cache/qwen05-shape", resolve_model("smollm2"))
     g = torch.Generator().manual_seed(1)
     lengths = torch.randint(512, 4097, (64,), generator=g).tolist()
-    for pack, micro, budget in ((False, 4, 0), (True, 8, 16384), (True, 8, 32768)):
+    variants = [(True, 32768, False, ""), (True, 32768, True, "learner_profile.txt"), (True, 16384, True, "")]
+    if args.padded:
+        variants.insert(0, (False, 0, False, ""))
+    for pack, budget, compiled, profile in variants:
         try:
-            ln, nparams, _ = _learner(path, lr=1e-6, micro=micro, pack=pack, budget=budget)
-            emit("learner", model="Qwen2.5-0.5B-shape(random)", params=nparams, **train_throughput(ln, lengths, 256, 151936))
+            ln, nparams, _ = _learner(path, lr=1e-6, micro=4, pack=pack, budget=budget, compile=compiled)
+            emit("learner", model="Qwen2.5-0.5B-shape(random)", params=nparams,
+                 **train_throughput(ln, lengths, 256, 151936, profile=profile))
             ln.shutdown()
             del ln
             torch.cuda.empty_cache()
         except Exception as e:  # noqa: BLE001 - report and go on
-            emit("learner", model="Qwen2.5-0.5B-shape", error=repr(e)[:300], pack=pack, budget=budget)
+            emit("learner", model="Qwen2.5-0.5B-shape", error=repr(e)[:600], pack=pack, budget=budget, compile=compiled)
 
 
 def main() -> int:
@@ -340,6 +370,7 @@ def main() -> int:
     ap.add_argument("--gpu-mem", type=float, default=0.3)
     ap.add_argument("--eager", action="store_true", help="enforce_eager (no CUDA graphs) for both vLLM and Engine")
     ap.add_argument("--no-sync", action="store_true")
+    ap.add_argument("--padded", action="store_true", help="learner: also the right-padded path (slow)")
     ap.add_argument("--timeout", type=float, default=300, help="per part, when running all")
     ap.add_argument("--parts", default="ceil,vllm,engine,sync05,learner", help="which parts 'all' runs, in order")
     args = ap.parse_args()

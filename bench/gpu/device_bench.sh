@@ -4,6 +4,8 @@
 set -uo pipefail
 part=$1; out=$2; mkdir -p "$out"
 bash bench/gpu/setup_host.sh "$part" 2>&1 | tee "$out/setup.log" || exit 1
+# pytest for tests/gpu, if its wheels came along (pip download --no-deps pytest pluggy iniconfig pygments pytest-timeout)
+[ -d .gpu-bundles/pytest ] && python3 -m pip install -q --no-index --no-deps --target /tmp/site .gpu-bundles/pytest/*.whl
 source bench/gpu/env.sh
 { nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv
   python3 -c "import vllm, ray, verl.trainer.ppo.core_algos, verl.workers.config, reasoning_gym, math_verify, pebble, gguf, tensordict, torch, transformers; print('vllm', vllm.__version__, 'ray', ray.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__)"

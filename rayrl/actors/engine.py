@@ -194,9 +194,10 @@ class _VLLM:
     async def load_ipc(self, h: weight_sync.IpcHandle) -> None:
         # The handle and the layout cross once; later syncs send only the buffer's id.
         first = self._ipc_opened != h.buffer_id
-        await self.llm.collective_rpc("rayrl_ipc_load", args=(h.buffer_id, h.blob if first else None,
-                                                              h.slots if first else None, h.device_uuid))
+        how = await self.llm.collective_rpc("rayrl_ipc_load", args=(h.buffer_id, h.blob if first else None,
+                                                                    h.slots if first else None, h.device_uuid))
         self._ipc_opened = h.buffer_id
+        self.ipc_loads = how  # per worker: "load_weights" (first sync, or a layout without direct copies) or "direct_copies"
         await self.llm.reset_prefix_cache()
 
     async def join(self, host: str, port: int, rank_offset: int, world_size: int, backend: str) -> None:

@@ -56,7 +56,8 @@ class Learner:
         dtype = getattr(torch, self.cfg.model.dtype)
         # Master weights in fp32; bf16 only for compute (mixed precision) when asked. Packed rows on GPU attend
         # through varlen flash attention (rayrl.attention); elsewhere transformers' default (sdpa) masks them.
-        attn = attention.register() if self.use_cuda and self.cfg.learner.pack else None
+        flash = dtype in (torch.bfloat16, torch.float16)  # the flash kernel has no fp32; sdpa masks packed rows then
+        attn = attention.register() if self.use_cuda and self.cfg.learner.pack and flash else None
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32, attn_implementation=attn)
         if model.config.tie_word_embeddings:
             raise ValueError(f"model.path={self.model_path!r} has tied embeddings: engines cannot reload a tied "

@@ -52,11 +52,15 @@ def test_cuda_ipc_sync_matches_learner(tiny_model):
             handle = learner.ipc_handle()
             await engine.load_ipc(handle, version)
             out.append((handle.buffer_id, await engine.generate(PROMPT, greedy)))
+            loads.append(engine._backend.ipc_loads)
         return out
 
+    loads = []
     try:
         (_, g0), (id1, g1), (id2, g2) = asyncio.run(go())
         assert id1 == id2 == engine._backend._ipc_opened  # persistent buffer, opened once in the worker
+        # the first sync runs vLLM's load_weights and checks its direct copies; the second replays them
+        assert loads == [["load_weights"], ["direct_copies"]], loads
         for version, before, gen in ((1, g0, g1), (2, g1, g2)):
             lp = learner.compute_logprobs(_batch(gen.token_ids, 0.0))[0]
             diff = float(np.max(np.abs(np.array(lp) - np.array(gen.logprobs))))
