@@ -303,7 +303,7 @@ def direct_copies(model: torch.nn.Module, sources: list[tuple[str, torch.Tensor]
     `torch._foreach_copy_(destinations, sources)` gives every parameter the same value. Call right after that
     load_weights: the plan is kept only if every parameter already equals what it would copy (a parameter that
     is one checkpoint tensor, or several stacked along dim 0 as vLLM's `packed_modules_mapping` fuses q/k/v and
-    gate/up) and every source is used. None otherwise (tensor-parallel shards, quantized or repacked layers,
+    gate/up, or one tensor in the first rows of a vocabulary-padded one) and every source is used. None otherwise (tensor-parallel shards, quantized or repacked layers,
     tied embeddings...): the caller keeps calling load_weights."""
     src = dict(sources)
     packed: dict[str, list[str]] = getattr(model, "packed_modules_mapping", None) or {}
@@ -329,7 +329,10 @@ def direct_copies(model: torch.nn.Module, sources: list[tuple[str, torch.Tensor]
             srcs.append(t)
             used.add(n)
             offset += t.shape[0] if p.dim() else 1
-        if offset != (p.shape[0] if p.dim() else 1):
+        # One source shorter than its parameter: vLLM pads the vocabulary rows of embeddings and lm_head (to a
+        # multiple of 64); load_weights fills the first rows and zeroes the rest, which stay zero.
+        short_ok = len(parts) == 1 and p.dim() and torch.count_nonzero(p.data[offset:]) == 0
+        if offset != (p.shape[0] if p.dim() else 1) and not short_ok:
             return None
     return (dsts, srcs) if used == set(src) else None
 

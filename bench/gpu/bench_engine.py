@@ -307,8 +307,10 @@ def train_throughput(ln, lengths: list[int], prompt_len: int, vocab: int, steps:
             ln.train_step(b)
             torch.cuda.synchronize()
             wall = time.perf_counter() - t1
+        from torch.autograd import DeviceType
+
         rows = p.key_averages()
-        busy = sum(r.self_device_time_total for r in rows) / 1e6
+        busy = sum(r.self_device_time_total for r in rows if r.device_type == DeviceType.CUDA) / 1e6  # kernels only
         with open(os.path.join(OUT, profile), "w") as f:
             f.write(f"step wall {wall:.3f} s, GPU kernel time {busy:.3f} s ({busy / wall:.0%} busy)\n\n")
             f.write(rows.table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=90))
@@ -338,14 +340,15 @@ async def part_sync05(args) -> None:
 
 def part_learner(args) -> None:
     """Learner throughput / MFU on the 0.5B shape: 64 sequences of 512-4096 tokens (prompt 256) in padding-free
-    packed rows (varlen flash attention), eager against learner.compile, at two token budgets; the compiled
+    packed rows (varlen flash attention), eager against learner.compile, at three token budgets; the compiled
     32k run is profiled (OUT/learner_profile.txt)."""
     from rayrl.models import resolve_model
 
     path = make_qwen05("/tmp/rayrl-cache/qwen05-shape", resolve_model("smollm2"))
     g = torch.Generator().manual_seed(1)
     lengths = torch.randint(512, 4097, (64,), generator=g).tolist()
-    variants = [(True, 32768, False, ""), (True, 32768, True, "learner_profile.txt"), (True, 16384, True, "")]
+    variants = [(True, 32768, False, ""), (True, 32768, True, "learner_profile.txt"), (True, 16384, True, ""),
+                (True, 49152, True, "")]
     if args.padded:
         variants.insert(0, (False, 0, False, ""))
     for pack, budget, compiled, profile in variants:

@@ -70,10 +70,12 @@ class Learner:
             for layer in model.model.layers:
                 layer.forward = torch.compile(layer.forward, dynamic=True)
         mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-        # Shard each decoder layer, then the root (embeddings, norm, lm_head) — FSDP2's usual wrapping.
+        # Shard each decoder layer, then the root (embeddings, norm, lm_head) — FSDP2's usual wrapping. One rank holds
+        # everything anyway: keep the gathered bf16 copy from forward to backward instead of gathering it twice.
+        reshard = self.world_size > 1
         for layer in model.model.layers:
-            fully_shard(layer, mp_policy=mp)
-        fully_shard(model, mp_policy=mp)
+            fully_shard(layer, mp_policy=mp, reshard_after_forward=reshard)
+        fully_shard(model, mp_policy=mp, reshard_after_forward=reshard)
         self.model = model
         self.ref = None
         if self.cfg.algo.use_kl_loss:  # a frozen copy of the initial policy, sharded the same way
@@ -394,8 +396,8 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
 
     Same values as `(logits.float() / t).log_softmax(-1).gather(...)`, but the fp32 copy exists LOGPROB_CHUNK rows
     at a time, in backward too (which recomputes the softmax), instead of [N, V] fp32 held for autograd.
-    `compiled`: each chunk's arithmetic is one torch.compile'd function (a fused kernel or two: the logits are read
-    once per pass instead of once per elementwise op)."""
+    `compiled`: forward and backward are each one torch.compile'd function over all rows (a fused kernel or two:
+    the logits are read once per pass instead of once per elementwise op, and no fp32 [N, V] exists, so no chunks)."""
     return _TokenLogprobs.apply(logits, targets, temperature, _kernels(compiled))
 
 
@@ -423,20 +425,26 @@ def _kernels(compiled: bool):
 class _TokenLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, temperature: float, kernels) -> torch.Tensor:
-        fwd, _ = kernels
+        fwd, bwd = kernels
+        ctx.temperature, ctx.kernels = temperature, kernels
+        if fwd is not _chunk_forward:  # compiled: fused kernels never hold [N, V] in fp32, so no chunks (no copies)
+            out, lse = fwd(logits, targets, temperature)
+            ctx.save_for_backward(logits, targets, lse)
+            return out
         out = torch.empty(len(targets), dtype=torch.float32, device=logits.device)
         lse = torch.empty_like(out)
         for s in range(0, len(targets), LOGPROB_CHUNK):
             out[s : s + LOGPROB_CHUNK], lse[s : s + LOGPROB_CHUNK] = fwd(logits[s : s + LOGPROB_CHUNK],
                                                                          targets[s : s + LOGPROB_CHUNK], temperature)
         ctx.save_for_backward(logits, targets, lse)
-        ctx.temperature, ctx.kernels = temperature, kernels
         return out
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         logits, targets, lse = ctx.saved_tensors
         _, bwd = ctx.kernels
+        if bwd is not _chunk_backward:
+            return bwd(logits, targets, lse, grad, ctx.temperature), None, None, None
         grad_logits = torch.empty_like(logits)
         for s in range(0, len(targets), LOGPROB_CHUNK):
             sl = slice(s, s + LOGPROB_CHUNK)

@@ -173,13 +173,14 @@ class _FusedModel(torch.nn.Module):
         self.qkv_proj = torch.nn.Linear(4, 8)  # q: 4 rows, k: 2, v: 2
         self.gate_up_proj = torch.nn.Linear(4, 6, bias=False)
         self.norm = torch.nn.Parameter(torch.zeros(4))
+        self.embed = torch.nn.Parameter(torch.randn(8, 4))  # 5 vocabulary rows padded to 8, as vLLM pads to 64
 
 
 def _checkpoint(seed: int) -> list[tuple[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     shapes = {"q_proj.weight": (4, 4), "k_proj.weight": (2, 4), "v_proj.weight": (2, 4), "q_proj.bias": (4,),
               "k_proj.bias": (2,), "v_proj.bias": (2,), "gate_proj.weight": (3, 4), "up_proj.weight": (3, 4),
-              "norm": (4,)}
+              "norm": (4,), "embed": (5, 4)}
     return [(k, torch.randn(s, generator=g)) for k, s in shapes.items()]
 
 
@@ -192,6 +193,8 @@ def _load_weights(model, ckpt):  # what vLLM's load_weights does for this layout
                 if p is not None:
                     p.copy_(torch.cat([c[f"{n}.{kind}"] for n in parts]))
         model.norm.copy_(c["norm"])
+        model.embed[:5].copy_(c["embed"])
+        model.embed[5:].zero_()
 
 
 def test_direct_copies_replay_load_weights():
@@ -223,3 +226,6 @@ def test_direct_copies_refuses_what_is_not_a_plain_copy():
     half = [(k, v[: v.shape[0] // 2]) if k.startswith("q_proj") else (k, v) for k, v in ckpt]  # a TP shard's shapes
     assert weight_sync.direct_copies(model, half) is None
     assert weight_sync.direct_copies(model, [kv for kv in ckpt if kv[0] != "up_proj.weight"]) is None  # missing
+    with torch.no_grad():
+        model.embed[7] = 1.0  # padding rows that load_weights did not zero: not a plain prefix copy
+    assert weight_sync.direct_copies(model, ckpt) is None

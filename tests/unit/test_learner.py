@@ -72,6 +72,7 @@ def test_cached_local_views_follow_optimizer_steps_and_loads(learner, tmp_path):
     def fresh():
         return {k: v.clone() for k, v in weight_sync.full_tensors(learner.model)}
 
+    learner.compute_logprobs(BATCH)  # a forward without backward must not leave the parameters gathered
     cached = weight_sync.local_tensors(learner.model)
     assert [k for k, _ in cached] == list(fresh())
     learner.save(str(tmp_path))
