@@ -46,23 +46,24 @@ def test_cuda_ipc_sync_matches_learner(tiny_model):
 
     async def go():
         await engine.start()
-        out = [(None, await engine.generate(PROMPT, greedy))]
+        out = [await engine.generate(PROMPT, greedy)]
         for version in (1, 2):
             learner.train_step(_batch([11, 12, 13]))
             handle = learner.ipc_handle()
             await engine.load_ipc(handle, version)
-            out.append((handle.buffer_id, await engine.generate(PROMPT, greedy)))
+            gen = await engine.generate(PROMPT, greedy)
+            # the learner's logprobs of the same tokens now, before its next step
+            out.append((handle.buffer_id, gen, learner.compute_logprobs(_batch(gen.token_ids, 0.0))[0]))
             loads.append(engine._backend.ipc_loads)
         return out
 
     loads = []
     try:
-        (_, g0), (id1, g1), (id2, g2) = asyncio.run(go())
+        g0, (id1, g1, lp1), (id2, g2, lp2) = asyncio.run(go())
         assert id1 == id2 == engine._backend._ipc_opened  # persistent buffer, opened once in the worker
         # the first sync runs vLLM's load_weights and checks its direct copies; the second replays them
         assert loads == [["load_weights"], ["direct_copies"]], loads
-        for version, before, gen in ((1, g0, g1), (2, g1, g2)):
-            lp = learner.compute_logprobs(_batch(gen.token_ids, 0.0))[0]
+        for version, before, gen, lp in ((1, g0, g1, lp1), (2, g1, g2, lp2)):
             diff = float(np.max(np.abs(np.array(lp) - np.array(gen.logprobs))))
             print(f"cuda_ipc v{version}: max |engine - learner| logprob {diff:.2e}")
             assert gen.policy_version == version and diff < 1e-3  # fp32 on GPU: different kernels, not bit-exact
