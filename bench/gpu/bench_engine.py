@@ -317,7 +317,7 @@ def train_throughput(ln, lengths: list[int], prompt_len: int, vocab: int, steps:
         print(f"profile: step {wall:.3f} s, kernels {busy:.3f} s -> {OUT}/{profile}", flush=True)
     lc = ln.cfg.learner
     return {"seqs": len(lengths), "tokens": tokens, "len_min": min(lengths), "len_max": max(lengths),
-            "pack": lc.pack, "compile": lc.compile, "max_tokens_per_micro_batch": lc.max_tokens_per_micro_batch,
+            "pack": lc.pack, "compile": ln.compiled, "max_tokens_per_micro_batch": lc.max_tokens_per_micro_batch,
             "micro_batch": lc.micro_batch_size, "attn": ln.model.config._attn_implementation, "step_s": dt,
             "warmup_s": warmup_s, "tok_s": tokens / dt, "tflops": flops / dt / 1e12, "mfu": flops / dt / PEAK_BF16,
             "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,

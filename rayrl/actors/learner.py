@@ -32,6 +32,7 @@ class Learner:
         self.model_path, self.cfg, self.rank, self.world_size = model_path, cfg, rank, world_size
         self.use_cuda = cfg.learner.gpus_per_worker > 0 and torch.cuda.is_available()
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.use_cuda else torch.device("cpu")
+        self.compiled = self.use_cuda if cfg.learner.compile is None else cfg.learner.compile
 
     # --- setup -----------------------------------------------------------------------------------
 
@@ -66,7 +67,7 @@ class Learner:
             model.gradient_checkpointing_enable()
         model.config.use_cache = False
         model.to(self.device)
-        if self.cfg.learner.compile:  # the forward only: FSDP's hooks around it stay eager (torchtitan does the same)
+        if self.compiled:  # the forward only: FSDP's hooks around it stay eager (torchtitan does the same)
             for layer in model.model.layers:
                 layer.forward = torch.compile(layer.forward, dynamic=True)
         mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
@@ -143,7 +144,7 @@ class Learner:
             logits = model(input_ids=ids.to(self.device), attention_mask=attn.to(self.device)).logits[rows, cols]
         targets = torch.tensor([t for r in resps for t in r], device=self.device)
         # temperature: the distribution the tokens were sampled from
-        lp = token_logprobs(logits, targets, self.cfg.rollout.temperature, compiled=self.cfg.learner.compile)
+        lp = token_logprobs(logits, targets, self.cfg.rollout.temperature, compiled=self.compiled)
         t_resp = max(len(r) for r in resps)
         rows = torch.tensor([j for j, r in enumerate(resps) for _ in r], device=self.device)
         cols = torch.tensor([k for r in resps for k in range(len(r))], device=self.device)
