@@ -413,7 +413,7 @@ def _chunk_backward(logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tens
                     temperature: float) -> torch.Tensor:
     # d logprob / d scaled logits = onehot(target) - softmax
     d = torch.exp(logits.float() / temperature - lse[:, None]) * -grad[:, None]
-    d = d.scatter_add(-1, targets[:, None], grad[:, None])
+    d.scatter_add_(-1, targets[:, None], grad[:, None])
     return (d / temperature).to(logits.dtype)
 
 
