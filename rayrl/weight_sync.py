@@ -126,11 +126,11 @@ def local_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
 def copy_all(bucket_views: list[tuple[str, torch.Tensor]], tensors: list[tuple[str, torch.Tensor]]) -> None:
     """`fill` for a list given at once: the same name check, then one fused `_foreach_copy_` (casting where the
     dtypes differ) instead of one Python-level copy per tensor."""
-    names = [n for n, _ in bucket_views]
-    if names != [n for n, _ in tensors]:
-        bad = next(i for i, (a, b) in enumerate(zip(names, [n for n, _ in tensors] + [None] * len(names))) if a != b)
-        got = tensors[bad][0] if bad < len(tensors) else None
-        raise RuntimeError(f"weight sync layout out of date: expected {names[bad]!r}, the model gave {got!r}")
+    want, got = [n for n, _ in bucket_views], [n for n, _ in tensors]
+    if want != got:
+        i = next((i for i, (a, b) in enumerate(zip(want, got)) if a != b), min(len(want), len(got)))
+        raise RuntimeError(f"weight sync layout out of date: expected {want[i] if i < len(want) else None!r}, "
+                           f"the model gave {got[i] if i < len(got) else None!r}")
     torch._foreach_copy_([v for _, v in bucket_views], [t.view(v.shape) for (_, v), (_, t) in zip(bucket_views, tensors)])
 
 
@@ -331,7 +331,7 @@ def direct_copies(model: torch.nn.Module, sources: list[tuple[str, torch.Tensor]
             offset += t.shape[0] if p.dim() else 1
         # One source shorter than its parameter: vLLM pads the vocabulary rows of embeddings and lm_head (to a
         # multiple of 64); load_weights fills the first rows and zeroes the rest, which stay zero.
-        short_ok = len(parts) == 1 and p.dim() and torch.count_nonzero(p.data[offset:]) == 0
+        short_ok = len(parts) == 1 and p.dim() > 0 and not bool(p.data[offset:].any())
         if offset != (p.shape[0] if p.dim() else 1) and not short_ok:
             return None
     return (dsts, srcs) if used == set(src) else None

@@ -161,6 +161,8 @@ def test_copy_all_matches_fill_and_checks_names():
     assert torch.equal(one, two)
     with pytest.raises(RuntimeError, match="expected 'embed', the model gave 'norm'"):
         weight_sync.copy_all(views(two, b), list(ts.items())[1:])
+    with pytest.raises(RuntimeError, match="expected 'ids', the model gave None"):  # a tensor missing at the end
+        weight_sync.copy_all(views(two, b), list(ts.items())[:-1])
 
 
 class _FusedModel(torch.nn.Module):
