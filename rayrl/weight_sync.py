@@ -98,29 +98,15 @@ def specs(model: torch.nn.Module, dtype: torch.dtype) -> list[tuple[str, tuple[i
 def full_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """Each full tensor in state-dict order, on the model's device, in the model's own dtype (`fill` casts while it
     copies: no temporary). A collective under FSDP: every rank must consume the whole iterator, in step
-    (DTensor.full_tensor() all-gathers one tensor at a time)."""
+    (DTensor.full_tensor() all-gathers one tensor at a time). On one rank nothing is gathered: the tensors are views
+    of the parameters' storage, which optimizer steps update in place, so a caller may keep `list(...)` of them
+    across steps (and must rebuild it when the parameters are replaced, e.g. by a checkpoint load)."""
     from torch.distributed.tensor import DTensor
 
     for name, t in model.state_dict().items():
         if isinstance(t, DTensor):  # one rank: the local shard is the whole tensor, no collective needed
             t = t.full_tensor() if t.device_mesh.size() > 1 else t.to_local()
         yield name, t.detach()
-
-
-def local_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """One FSDP rank (or none): each state-dict entry as the tensor that holds it, in the model's own dtype. These
-    are views of the parameters' storage, which optimizer steps update in place, so a caller may keep the list
-    across steps (and must rebuild it when the parameters are replaced, e.g. by a checkpoint load)."""
-    from torch.distributed.tensor import DTensor
-
-    out = []
-    for name, t in model.state_dict().items():
-        if isinstance(t, DTensor):
-            if t.device_mesh.size() > 1:
-                raise ValueError("local_tensors needs one FSDP rank; with several, use full_tensors (a collective)")
-            t = t.to_local()
-        out.append((name, t.detach()))
-    return out
 
 
 def copy_all(bucket_views: list[tuple[str, torch.Tensor]], tensors: list[tuple[str, torch.Tensor]]) -> None:
@@ -272,8 +258,8 @@ class IpcSender:
                                 str(torch.cuda.get_device_properties(device).uuid))
 
     def update(self, tensors: Iterator[tuple[str, torch.Tensor]] | list[tuple[str, torch.Tensor]]) -> IpcHandle:
-        """Copy the full tensors in: a list (one rank: `local_tensors`) in one fused copy, an iterator (several
-        ranks: `full_tensors`, which all-gathers as it goes) one at a time."""
+        """Copy the full tensors in: a list (one rank's cached `full_tensors`) in one fused copy, an iterator
+        (several ranks: `full_tensors`, which all-gathers as it goes) one at a time."""
         if isinstance(tensors, list):
             copy_all(self.views, tensors)
         else:
@@ -296,6 +282,7 @@ class IpcReceiver:
         self.buf = fn(*args)
         self.views = views(self.buf, [Slot(n, tuple(s), d, o) for n, s, d, o in slots])
         self.copies: tuple[list, list] | None = None  # (destinations, sources), once direct_copies checked them
+        self.checked = False  # direct_copies ran (once: if the layout has none, every sync keeps load_weights)
 
 
 def direct_copies(model: torch.nn.Module, sources: list[tuple[str, torch.Tensor]]) -> tuple[list, list] | None:
@@ -303,8 +290,8 @@ def direct_copies(model: torch.nn.Module, sources: list[tuple[str, torch.Tensor]
     `torch._foreach_copy_(destinations, sources)` gives every parameter the same value. Call right after that
     load_weights: the plan is kept only if every parameter already equals what it would copy (a parameter that
     is one checkpoint tensor, or several stacked along dim 0 as vLLM's `packed_modules_mapping` fuses q/k/v and
-    gate/up, or one tensor in the first rows of a vocabulary-padded one) and every source is used. None otherwise (tensor-parallel shards, quantized or repacked layers,
-    tied embeddings...): the caller keeps calling load_weights."""
+    gate/up, or one tensor in the first rows of a vocabulary-padded one) and every source is used. None otherwise
+    (tensor-parallel shards, quantized or repacked layers, tied embeddings...): the caller keeps load_weights."""
     src = dict(sources)
     packed: dict[str, list[str]] = getattr(model, "packed_modules_mapping", None) or {}
     dsts: list[torch.Tensor] = []
@@ -417,7 +404,8 @@ class WorkerExtension:
             torch.cuda.synchronize()
             return "direct_copies"
         _load(self, [r.views])
-        r.copies = direct_copies(self.model_runner.get_model(), r.views)
+        if not r.checked:
+            r.copies, r.checked = direct_copies(self.model_runner.get_model(), r.views), True
         return "load_weights"
 
     def rayrl_join_group(self, host: str, port: int, rank_offset: int, world_size: int, backend: str,

@@ -151,6 +151,7 @@ class _VLLM:
                                worker_extension_cls="rayrl.weight_sync.WorkerExtension")
         self.llm = AsyncLLM.from_engine_args(args)
         self._ipc_opened: str | None = None  # the learner buffer the workers hold open (cuda_ipc)
+        self.ipc_loads: list[str] = []  # how each worker loaded the last cuda_ipc sync (WorkerExtension.rayrl_ipc_load)
 
     async def generate(self, prompt_ids, s: Sampling, request_id):
         from vllm import SamplingParams
@@ -197,7 +198,7 @@ class _VLLM:
         how = await self.llm.collective_rpc("rayrl_ipc_load", args=(h.buffer_id, h.blob if first else None,
                                                                     h.slots if first else None, h.device_uuid))
         self._ipc_opened = h.buffer_id
-        self.ipc_loads = how  # per worker: "load_weights" (first sync, or a layout without direct copies) or "direct_copies"
+        self.ipc_loads = how  # "load_weights" (first sync, or a layout without direct copies) or "direct_copies"
         await self.llm.reset_prefix_cache()
 
     async def join(self, host: str, port: int, rank_offset: int, world_size: int, backend: str) -> None:

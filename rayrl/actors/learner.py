@@ -33,6 +33,7 @@ class Learner:
         self.use_cuda = cfg.learner.gpus_per_worker > 0 and torch.cuda.is_available()
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.use_cuda else torch.device("cpu")
         self.compiled = self.use_cuda if cfg.learner.compile is None else cfg.learner.compile
+        self._local: list | None = None  # cuda_ipc on one rank: cached views of the parameters (ipc_handle)
 
     # --- setup -----------------------------------------------------------------------------------
 
@@ -275,8 +276,8 @@ class Learner:
         serves an engine on its GPU (`serve`); None otherwise. Every rank must call (the gathers are collectives)."""
         dtype = getattr(torch, self.cfg.model.dtype)
         if self.world_size == 1:  # the whole model is local: copy it in one go from cached views of the parameters
-            if getattr(self, "_local", None) is None:
-                self._local = weight_sync.local_tensors(self.model)
+            if self._local is None:  # nothing gathered on one rank: views that follow every optimizer step
+                self._local = list(weight_sync.full_tensors(self.model))
             tensors = self._local
         else:
             tensors = weight_sync.full_tensors(self.model)
@@ -432,8 +433,8 @@ class _TokenLogprobs(torch.autograd.Function):
         out = torch.empty(len(targets), dtype=torch.float32, device=logits.device)
         lse = torch.empty_like(out)
         for s in range(0, len(targets), LOGPROB_CHUNK):
-            out[s : s + LOGPROB_CHUNK], lse[s : s + LOGPROB_CHUNK] = fwd(logits[s : s + LOGPROB_CHUNK],
-                                                                         targets[s : s + LOGPROB_CHUNK], temperature)
+            sl = slice(s, s + LOGPROB_CHUNK)
+            out[sl], lse[sl] = fwd(logits[sl], targets[sl], temperature)
         ctx.save_for_backward(logits, targets, lse)
         return out
 

@@ -73,7 +73,7 @@ def test_cached_local_views_follow_optimizer_steps_and_loads(learner, tmp_path):
         return {k: v.clone() for k, v in weight_sync.full_tensors(learner.model)}
 
     learner.compute_logprobs(BATCH)  # a forward without backward must not leave the parameters gathered
-    cached = weight_sync.local_tensors(learner.model)
+    cached = list(weight_sync.full_tensors(learner.model))  # one rank: views of the parameters, what ipc_handle keeps
     assert [k for k, _ in cached] == list(fresh())
     learner.save(str(tmp_path))
     before = fresh()
@@ -83,7 +83,7 @@ def test_cached_local_views_follow_optimizer_steps_and_loads(learner, tmp_path):
     for name, t in cached:
         assert torch.equal(t, after[name]), name
     learner.load(str(tmp_path))  # the learner drops its cached list here; whatever it rebuilds must match the load
-    rebuilt = weight_sync.local_tensors(learner.model)
+    rebuilt = list(weight_sync.full_tensors(learner.model))
     for name, t in rebuilt:
         assert torch.equal(t, before[name]), name
 
