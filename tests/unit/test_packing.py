@@ -31,8 +31,9 @@ def test_bins_split_to_a_minimum_count():
     assert len(token_budget_bins(lengths, 100, min_bins=9)) == 5  # at most one per sequence
 
 
+@pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_token_logprobs_match_log_softmax(monkeypatch, dtype):
+def test_token_logprobs_match_log_softmax(monkeypatch, dtype, compiled):
     monkeypatch.setattr(learner_mod, "LOGPROB_CHUNK", 3)  # several chunks, the last one short
     torch.manual_seed(0)
     logits = torch.randn(10, 17, dtype=dtype, requires_grad=True)
@@ -41,7 +42,7 @@ def test_token_logprobs_match_log_softmax(monkeypatch, dtype):
     ref_logits = logits.detach().clone().requires_grad_(True)
     ref = (ref_logits.float() / 0.7).log_softmax(-1).gather(-1, targets[:, None])[:, 0]
     (ref * weights).sum().backward()
-    got = token_logprobs(logits, targets, 0.7)
+    got = token_logprobs(logits, targets, 0.7, compiled=compiled)  # compiled: the fused one-pass backward
     (got * weights).sum().backward()
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, ref, atol=1e-6, rtol=0)
@@ -110,3 +111,26 @@ def test_packed_equals_padded(make_learner):
         assert stats.ppo_kl == pytest.approx(base.ppo_kl, abs=1e-6)
         for n, g in _grads(ln).items():
             torch.testing.assert_close(g, base_grads[n], atol=1e-6, rtol=1e-4, msg=n)
+
+
+def test_one_rank_accumulates_gradients_like_per_micro_batch_reduction(make_learner, monkeypatch):
+    """One rank keeps its bf16 weights gathered and sums the micro-batches' gradients in fp32 (FSDP2 no-sync),
+    reducing once: the same fp32 gradients as reducing after every micro-batch, bf16 compute included."""
+    batch = _batch()
+    fast = make_learner("model.dtype=bfloat16", "learner.max_tokens_per_micro_batch=40")
+    assert len(fast._micro_batches(batch)) > 2
+    calls = []
+    real = fast._accumulate_locally
+    monkeypatch.setattr(fast, "_accumulate_locally", lambda more: (calls.append(more), real(more)))
+    stats = fast.train_step(batch)
+    assert calls == [True] * (len(calls) - 1) + [False]  # sums while more follow, reduces at the last
+    plain = make_learner("model.dtype=bfloat16", "learner.max_tokens_per_micro_batch=40")
+    monkeypatch.setattr(plain, "_accumulate_locally", lambda more: None)  # reduce after every micro-batch
+    base = plain.train_step(batch)
+    assert stats.loss == pytest.approx(base.loss, abs=1e-6)
+    want = _grads(plain)
+    for n, g in _grads(fast).items():
+        assert g.dtype == torch.float32, n
+        torch.testing.assert_close(g, want[n], atol=1e-6, rtol=1e-5, msg=n)
+    # the next step re-gathers the updated weights: both learners still agree after their optimizer steps
+    assert fast.compute_logprobs(batch) == plain.compute_logprobs(batch)
