@@ -13,8 +13,9 @@ Parts (each appends one JSON line to DIR/bench.jsonl and prints a table line):
           engine-vs-learner logprob agreement after each sync.
 - sync05: the same two syncs for a random-init Qwen2.5-0.5B-shaped model (untied lm_head).
 - learner: the learner's training throughput / MFU on that model: padding-free packed rows (varlen flash
-          attention, rayrl/attention.py), eager and with learner.compile, at two token budgets (--padded: also the
-          old right-padded path); a profile of the compiled step.
+          attention, rayrl/attention.py), eager or with learner.compile at token budgets (--variants); profiles
+          (GPU time by kernel kind, ops by input shape, a chrome trace).
+- attn:   attention alone on one packed micro-batch: torch's varlen flash kernel vs cuDNN's ragged attention.
 
 Prompts: reasoning-gym basic_arithmetic (rayrl's default job data) through SmolLM2's chat template, 1024 prompts
 n=1 and 128 prompts x n=8, 256 new tokens, temperature 1, the sampled token's logprob.
@@ -300,21 +301,7 @@ def train_throughput(ln, lengths: list[int], prompt_len: int, vocab: int, steps:
     attn = sum(6 * m.num_hidden_layers * m.hidden_size * n * n for n in lengths)  # causal: half of 12 L d n^2
     flops = 6 * body * tokens + 6 * head * predicted + attn
     if profile and cuda:  # one more step under the profiler: where the GPU time goes, and how busy the GPU is
-        from torch.profiler import ProfilerActivity, profile as prof
-
-        with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
-            t1 = time.perf_counter()
-            ln.train_step(b)
-            torch.cuda.synchronize()
-            wall = time.perf_counter() - t1
-        from torch.autograd import DeviceType
-
-        rows = p.key_averages()
-        busy = sum(r.self_device_time_total for r in rows if r.device_type == DeviceType.CUDA) / 1e6  # kernels only
-        with open(os.path.join(OUT, profile), "w") as f:
-            f.write(f"step wall {wall:.3f} s, GPU kernel time {busy:.3f} s ({busy / wall:.0%} busy)\n\n")
-            f.write(rows.table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=90))
-        print(f"profile: step {wall:.3f} s, kernels {busy:.3f} s -> {OUT}/{profile}", flush=True)
+        profile_step(ln, b, profile)
     lc = ln.cfg.learner
     return {"seqs": len(lengths), "tokens": tokens, "len_min": min(lengths), "len_max": max(lengths),
             "pack": lc.pack, "compile": ln.compiled, "max_tokens_per_micro_batch": lc.max_tokens_per_micro_batch,
@@ -322,6 +309,57 @@ def train_throughput(ln, lengths: list[int], prompt_len: int, vocab: int, steps:
             "warmup_s": warmup_s, "tok_s": tokens / dt, "tflops": flops / dt / 1e12, "mfu": flops / dt / PEAK_BF16,
             "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
             "flops_per_step": flops, "params_body": body, "params_lm_head": head}
+
+
+KERNEL_KINDS = (("gemm", ("nvjet", "gemm", "cutlass", "xmma", "cublas")), ("attention_fwd", ("flash_fwd", "cudnn_fwd",
+                "fmha_fwd", "fprop")), ("attention_bwd", ("flash_bwd", "cudnn_bwd", "fmha_bwd", "dgrad", "bprop")),
+                ("memcpy", ("Memcpy",)), ("memset", ("Memset",)), ("nccl", ("nccl",)), ("triton", ("triton_",)),
+                ("aten_elementwise", ("elementwise_kernel", "CatArray", "reduce_kernel", "index", "scatter")))
+
+
+def kernel_kind(name: str) -> str:
+    low = name.lower()
+    return next((kind for kind, keys in KERNEL_KINDS if any(k.lower() in low for k in keys)), "other")
+
+
+def profile_step(ln, b, name: str) -> dict:
+    """One more step under the profiler. Writes OUT/name (GPU time by kernel kind, the top kernels, the top ops by
+    input shape: what the copies copy) and OUT/name.json.gz (a chrome trace); returns the kind totals."""
+    import gzip
+    import shutil
+    from collections import defaultdict
+
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile as prof
+
+    with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as p:
+        t1 = time.perf_counter()
+        ln.train_step(b)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t1
+    kinds: dict = defaultdict(lambda: [0.0, 0])
+    for e in p.events():
+        if e.device_type == DeviceType.CUDA:
+            k = kinds[kernel_kind(e.name)]
+            k[0] += e.device_time_total / 1e3
+            k[1] += 1
+    busy = sum(v[0] for v in kinds.values()) / 1e3
+    path = os.path.join(OUT, name)
+    with open(path, "w") as f:
+        f.write(f"step wall {wall:.3f} s, GPU kernel time {busy:.3f} s ({busy / wall:.0%} busy)\n\nms by kernel kind:\n")
+        for kind, (ms, n) in sorted(kinds.items(), key=lambda kv: -kv[1][0]):
+            f.write(f"  {kind:18s} {ms:9.1f} ms  {n:6d} kernels\n")
+        rows = p.key_averages()
+        f.write("\n" + rows.table(sort_by="self_device_time_total", row_limit=45, max_name_column_width=90))
+        f.write("\n\nops by input shape (self GPU time):\n")
+        f.write(p.key_averages(group_by_input_shape=True).table(sort_by="self_device_time_total", row_limit=60,
+                                                                 max_name_column_width=50, max_shapes_column_width=90))
+    p.export_chrome_trace(path + ".json")
+    with open(path + ".json", "rb") as src, gzip.open(path + ".json.gz", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    os.remove(path + ".json")
+    print(f"profile: step {wall:.3f} s, kernels {busy:.3f} s -> {path}", flush=True)
+    return {kind: round(v[0], 1) for kind, v in kinds.items()}
 
 
 async def part_sync05(args) -> None:
@@ -340,40 +378,104 @@ async def part_sync05(args) -> None:
 
 def part_learner(args) -> None:
     """Learner throughput / MFU on the 0.5B shape: 64 sequences of 512-4096 tokens (prompt 256) in padding-free
-    packed rows (varlen flash attention), eager against learner.compile, at three token budgets; the compiled
-    32k run is profiled (OUT/learner_profile.txt)."""
+    packed rows (varlen flash attention), eager or with learner.compile at the --variants' token budgets, each
+    variant a new Learner; those with a file name are profiled (profile_step). --label records which code ran
+    (a baseline is the same bench with an older rayrl first on PYTHONPATH)."""
     from rayrl.models import resolve_model
 
     path = make_qwen05("/tmp/rayrl-cache/qwen05-shape", resolve_model("smollm2"))
     g = torch.Generator().manual_seed(1)
     lengths = torch.randint(512, 4097, (64,), generator=g).tolist()
-    variants = [(True, 32768, False, ""), (True, 32768, True, "learner_profile.txt"), (True, 16384, True, ""),
-                (True, 49152, True, "")]
-    if args.padded:
-        variants.insert(0, (False, 0, False, ""))
-    for pack, budget, compiled, profile in variants:
+    variants = [v.split(":") for v in args.variants.split(",")]  # eager|compile : token budget [: profile file]
+    for kind, budget, *prof in variants:
+        compiled, budget = kind == "compile", int(budget)
         try:
-            ln, nparams, _ = _learner(path, lr=1e-6, micro=4, pack=pack, budget=budget, compile=compiled)
-            emit("learner", model="Qwen2.5-0.5B-shape(random)", params=nparams,
-                 **train_throughput(ln, lengths, 256, 151936, profile=profile))
+            ln, nparams, _ = _learner(path, lr=1e-6, micro=4, pack=True, budget=budget, compile=compiled)
+            emit("learner", model="Qwen2.5-0.5B-shape(random)", params=nparams, code=args.label,
+                 **train_throughput(ln, lengths, 256, 151936, profile=(prof or [""])[0]))
             ln.shutdown()
             del ln
             torch.cuda.empty_cache()
         except Exception as e:  # noqa: BLE001 - report and go on
-            emit("learner", model="Qwen2.5-0.5B-shape", error=repr(e)[:600], pack=pack, budget=budget, compile=compiled)
+            emit("learner", model="Qwen2.5-0.5B-shape", code=args.label, error=repr(e)[:600], budget=budget,
+                 compile=compiled)
+
+
+def part_attn(args) -> None:
+    """Attention alone, on the learner part's first 32k-token packed micro-batch (0.5B shape: 14 query heads, 2 kv
+    heads, head dim 64, causal per sequence), forward + backward: torch's varlen flash kernel as rayrl_varlen calls
+    it (GQA inside the kernel) against cuDNN's ragged attention (aten._cudnn_attention_forward/backward with the
+    cumulative lengths; kv heads repeated for it, their gradients summed back, both timed). Reports ms per call and
+    the largest differences of output and gradients from flash."""
+    from rayrl import attention
+    from rayrl.actors.learner import token_budget_bins
+
+    g = torch.Generator().manual_seed(1)
+    lengths = torch.randint(512, 4097, (64,), generator=g).tolist()
+    lens = [lengths[i] for i in token_budget_bins(lengths, 32768)[0]]
+    T, hq, hkv, d = sum(lens), 14, 2, 64
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    longest = max(lens)
+    torch.manual_seed(0)
+    q, k, v, go = (torch.randn(T, h, d, device="cuda", dtype=torch.bfloat16) for h in (hq, hkv, hkv, hq))
+    flops = sum(4 * n * n * d * hq / 2 for n in lens) * 3.5  # causal: forward 1x, backward 2.5x
+
+    def flash():
+        qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+        out = attention._flash(qq, kk, vv, cu, longest, None, True)
+        out.backward(go)
+        return out, qq.grad, kk.grad, vv.grad
+
+    def cudnn():
+        rep = hq // hkv
+        kk, vv = (t.repeat_interleave(rep, dim=1) for t in (k, v))
+        res = torch.ops.aten._cudnn_attention_forward(q, kk, vv, None, cu, cu, longest, longest, True, 0.0, True,
+                                                      False, scale=None)
+        out, lse, seed, offset = res[0], res[1], res[6], res[7]
+        dq, dk, dv = torch.ops.aten._cudnn_attention_backward(go, q, kk, vv, out, lse, seed, offset,
+                                                              torch.empty(0, device="cuda"), cu, cu, longest,
+                                                              longest, 0.0, True, scale=None)
+        return out, dq, dk.view(T, hkv, rep, d).sum(2), dv.view(T, hkv, rep, d).sum(2)
+
+    def timed(fn, reps=20):
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        s0, s1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s0.record()
+        for _ in range(reps):
+            fn()
+        s1.record()
+        torch.cuda.synchronize()
+        return s0.elapsed_time(s1) / reps
+
+    ref = flash()
+    res = {"tokens": T, "seqs": len(lens), "flash_ms": timed(flash)}
+    res["flash_tflops"] = flops / res["flash_ms"] / 1e9
+    try:
+        got = cudnn()
+        res["cudnn_max_diff"] = {n: (a.float() - b.float()).abs().max().item()
+                                 for n, a, b in zip(("out", "dq", "dk", "dv"), got, ref)}
+        res["cudnn_ms"] = timed(cudnn)
+        res["cudnn_tflops"] = flops / res["cudnn_ms"] / 1e9
+    except Exception as e:  # noqa: BLE001 - report and go on
+        res["cudnn_error"] = repr(e)[:600]
+    emit("attn", **res)
 
 
 def main() -> int:
     global OUT
     ap = argparse.ArgumentParser()
-    ap.add_argument("part", choices=["all", "ceil", "vllm", "engine", "sync05", "learner"])
+    ap.add_argument("part", choices=["all", "ceil", "vllm", "engine", "sync05", "learner", "attn"])
     ap.add_argument("--out", default=".")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--gpu-mem", type=float, default=0.3)
     ap.add_argument("--eager", action="store_true", help="enforce_eager (no CUDA graphs) for both vLLM and Engine")
     ap.add_argument("--no-sync", action="store_true")
-    ap.add_argument("--padded", action="store_true", help="learner: also the right-padded path (slow)")
+    ap.add_argument("--variants", default="eager:32768,compile:32768:learner_profile.txt,compile:49152",
+                    help="learner: eager|compile:token budget[:profile file], comma-separated")
+    ap.add_argument("--label", default="HEAD", help="learner: which code ran (recorded in bench.jsonl)")
     ap.add_argument("--timeout", type=float, default=300, help="per part, when running all")
     ap.add_argument("--parts", default="ceil,vllm,engine,sync05,learner", help="which parts 'all' runs, in order")
     args = ap.parse_args()
@@ -398,6 +500,8 @@ def main() -> int:
         part_vllm(args)
     elif args.part == "learner":
         part_learner(args)
+    elif args.part == "attn":
+        part_attn(args)
     else:
         asyncio.run({"engine": part_engine, "sync05": part_sync05}[args.part](args))
     return 0
