@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 NAME = "rayrl_varlen"
+KERNEL = "flash"  # "flash": torch's varlen flash attention; "cudnn": cuDNN's ragged attention (the same boundaries)
 
 
 def register() -> str:
@@ -37,11 +38,16 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
                            "the learner passes them when learner.pack is true")
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # -> [T, H, D]
     gqa = k.shape[1] != q.shape[1]  # grouped-query attention: each kv head serves Hq / Hkv query heads
-    if gqa and not (q.is_cuda and "enable_gqa" in _varlen_params()):
+    if gqa and not (q.is_cuda and KERNEL == "flash" and "enable_gqa" in _varlen_params()):
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         gqa = False
-    out = _flash(q, k, v, cu, longest, scaling, gqa) if q.is_cuda else _reference(q, k, v, cu, scaling)
+    if not q.is_cuda:
+        out = _reference(q, k, v, cu, scaling)
+    elif KERNEL == "cudnn":
+        out = _CudnnVarlen.apply(q, k, v, cu, longest, scaling)
+    else:
+        out = _flash(q, k, v, cu, longest, scaling, gqa)
     return out.unsqueeze(0), None
 
 
@@ -68,6 +74,27 @@ def _flash(q, k, v, cu, longest: int, scale: float | None, gqa: bool) -> torch.T
     elif scale is not None and abs(scale - q.shape[-1] ** -0.5) > 1e-9:
         raise RuntimeError(f"this torch's varlen_attn has no scale argument; the model's scaling is {scale}")
     return varlen_attn(q, k, v, cu, cu, longest, longest, **kw)
+
+
+class _CudnnVarlen(torch.autograd.Function):
+    """cuDNN's fused attention on packed rows: [T, H, D] with the cumulative lengths, causal per sequence."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu, longest: int, scale: float | None):
+        res = torch.ops.aten._cudnn_attention_forward(q, k, v, None, cu, cu, longest, longest, True, 0.0, True, False,
+                                                      scale=scale)
+        out, lse, seed, offset = res[0], res[1], res[6], res[7]
+        ctx.save_for_backward(q, k, v, out, lse, seed, offset, cu)
+        ctx.longest, ctx.scale = longest, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, out, lse, seed, offset, cu = ctx.saved_tensors
+        dq, dk, dv = torch.ops.aten._cudnn_attention_backward(grad.contiguous(), q, k, v, out, lse, seed, offset,
+                                                              torch.empty(0, device=q.device), cu, cu, ctx.longest,
+                                                              ctx.longest, 0.0, True, scale=ctx.scale)
+        return dq, dk, dv, None, None, None
 
 
 def _reference(q, k, v, cu, scale: float | None) -> torch.Tensor:

@@ -300,19 +300,18 @@ def train_throughput(ln, lengths: list[int], prompt_len: int, vocab: int, steps:
     predicted = sum(n - prompt_len for n in lengths)
     attn = sum(6 * m.num_hidden_layers * m.hidden_size * n * n for n in lengths)  # causal: half of 12 L d n^2
     flops = 6 * body * tokens + 6 * head * predicted + attn
-    if profile and cuda:  # one more step under the profiler: where the GPU time goes, and how busy the GPU is
-        profile_step(ln, b, profile)
+    kinds = profile_step(ln, b, profile) if profile and cuda else None  # where the GPU time goes, how busy it is
     lc = ln.cfg.learner
     return {"seqs": len(lengths), "tokens": tokens, "len_min": min(lengths), "len_max": max(lengths),
             "pack": lc.pack, "compile": ln.compiled, "max_tokens_per_micro_batch": lc.max_tokens_per_micro_batch,
             "micro_batch": lc.micro_batch_size, "attn": ln.model.config._attn_implementation, "step_s": dt,
             "warmup_s": warmup_s, "tok_s": tokens / dt, "tflops": flops / dt / 1e12, "mfu": flops / dt / PEAK_BF16,
             "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
-            "flops_per_step": flops, "params_body": body, "params_lm_head": head}
+            "flops_per_step": flops, "params_body": body, "params_lm_head": head, "profile_ms": kinds}
 
 
-KERNEL_KINDS = (("gemm", ("nvjet", "gemm", "cutlass", "xmma", "cublas")), ("attention_fwd", ("flash_fwd", "cudnn_fwd",
-                "fmha_fwd", "fprop")), ("attention_bwd", ("flash_bwd", "cudnn_bwd", "fmha_bwd", "dgrad", "bprop")),
+KERNEL_KINDS = (("attention_fwd", ("flash_fwd", "cudnn_fwd", "fmha_fwd", "fprop")), ("attention_bwd", ("flash_bwd",
+                "cudnn_bwd", "fmha_bwd", "dgrad", "bprop")), ("gemm", ("nvjet", "gemm", "cutlass", "xmma", "cublas")),
                 ("memcpy", ("Memcpy",)), ("memset", ("Memset",)), ("nccl", ("nccl",)), ("triton", ("triton_",)),
                 ("aten_elementwise", ("elementwise_kernel", "CatArray", "reduce_kernel", "index", "scatter")))
 
@@ -323,13 +322,12 @@ def kernel_kind(name: str) -> str:
 
 
 def profile_step(ln, b, name: str) -> dict:
-    """One more step under the profiler. Writes OUT/name (GPU time by kernel kind, the top kernels, the top ops by
-    input shape: what the copies copy) and OUT/name.json.gz (a chrome trace); returns the kind totals."""
+    """One more step under the profiler. Writes OUT/name.json.gz (a chrome trace) and OUT/name: GPU time by kernel
+    kind, how long the GPU sat idle and which CPU op launched the kernel after each gap, the top kernels and the top
+    ops by input shape (what the copies copy). Returns the kind totals (ms) and the idle time."""
     import gzip
-    import shutil
     from collections import defaultdict
 
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile as prof
 
     with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as p:
@@ -337,30 +335,54 @@ def profile_step(ln, b, name: str) -> dict:
         ln.train_step(b)
         torch.cuda.synchronize()
         wall = time.perf_counter() - t1
-    kinds: dict = defaultdict(lambda: [0.0, 0])
-    for e in p.events():
-        if e.device_type == DeviceType.CUDA:
-            k = kinds[kernel_kind(e.name)]
-            k[0] += e.device_time_total / 1e3
-            k[1] += 1
-    busy = sum(v[0] for v in kinds.values()) / 1e3
     path = os.path.join(OUT, name)
-    with open(path, "w") as f:
-        f.write(f"step wall {wall:.3f} s, GPU kernel time {busy:.3f} s ({busy / wall:.0%} busy)\n\nms by kernel kind:\n")
-        for kind, (ms, n) in sorted(kinds.items(), key=lambda kv: -kv[1][0]):
-            f.write(f"  {kind:18s} {ms:9.1f} ms  {n:6d} kernels\n")
-        rows = p.key_averages()
-        f.write("\n" + rows.table(sort_by="self_device_time_total", row_limit=45, max_name_column_width=90))
-        f.write("\n\nops by input shape (self GPU time):\n")
-        f.write(p.key_averages(group_by_input_shape=True).table(sort_by="self_device_time_total", row_limit=60,
-                                                                 max_name_column_width=50, max_shapes_column_width=90))
     p.export_chrome_trace(path + ".json")
-    with open(path + ".json", "rb") as src, gzip.open(path + ".json.gz", "wb") as dst:
-        shutil.copyfileobj(src, dst)
+    with open(path + ".json") as f:
+        trace = json.load(f)["traceEvents"]
+    with gzip.open(path + ".json.gz", "wt") as f:
+        json.dump({"traceEvents": trace}, f)
     os.remove(path + ".json")
-    print(f"profile: step {wall:.3f} s, kernels {busy:.3f} s -> {path}", flush=True)
-    return {kind: round(v[0], 1) for kind, v in kinds.items()}
-
+    kernels = sorted((e for e in trace if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+                     key=lambda e: e["ts"])
+    kinds: dict = defaultdict(lambda: [0.0, 0])
+    top: dict = defaultdict(float)
+    for e in kernels:
+        kinds[kernel_kind(e["name"])][0] += e["dur"] / 1e3
+        kinds[kernel_kind(e["name"])][1] += 1
+        top[e["name"][:120]] += e["dur"] / 1e3
+    # idle: gaps between the union of kernel intervals; blamed on the CPU op that launched the kernel after each gap
+    launches = {e["args"].get("correlation"): e for e in trace if e.get("ph") == "X" and e.get("cat") == "cuda_runtime"}
+    ops = [e for e in trace if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation")]
+    blame: dict = defaultdict(float)
+    end, idle = kernels[0]["ts"], 0.0
+    for e in kernels:
+        gap = e["ts"] - end
+        if gap > 50:  # us
+            idle += gap
+            r = launches.get(e.get("args", {}).get("correlation"))
+            at, tid = (r["ts"], r.get("tid")) if r else (e["ts"], None)
+            around = sorted((o for o in ops if o.get("tid") == tid and o["ts"] <= at <= o["ts"] + o["dur"]),
+                            key=lambda o: o["dur"])
+            blame[" < ".join(o["name"][:48] for o in around[:3]) or "(no CPU op)"] += gap / 1e3
+        end = max(end, e["ts"] + e["dur"])
+    span = (end - kernels[0]["ts"]) / 1e3
+    busy = sum(v[0] for v in kinds.values())
+    with open(path, "w") as f:
+        f.write(f"step wall {wall * 1e3:.0f} ms; kernels from first to last {span:.0f} ms, of which kernels ran "
+                f"{busy:.0f} ms and the GPU sat idle {idle / 1e3:.0f} ms in gaps > 50 us\n\nms by kernel kind:\n")
+        for kind, (ms, n) in sorted(kinds.items(), key=lambda kv: -kv[1][0]):
+            f.write(f"  {kind:18s} {ms:8.1f} ms {n:6d} kernels\n")
+        f.write("\nidle before kernels launched by (innermost CPU ops):\n")
+        for k, ms in sorted(blame.items(), key=lambda kv: -kv[1])[:15]:
+            f.write(f"  {ms:7.1f} ms  {k}\n")
+        f.write("\ntop kernels:\n")
+        for k, ms in sorted(top.items(), key=lambda kv: -kv[1])[:30]:
+            f.write(f"  {ms:7.1f} ms  {k}\n")
+        f.write("\nops by input shape (self GPU time):\n")
+        f.write(p.key_averages(group_by_input_shape=True).table(sort_by="self_device_time_total", row_limit=40,
+                                                                 max_name_column_width=50, max_shapes_column_width=90))
+    print(f"profile: step {wall:.3f} s, kernels {busy:.0f} ms, idle {idle / 1e3:.0f} ms -> {path}", flush=True)
+    return {**{kind: round(v[0], 1) for kind, v in kinds.items()}, "idle": round(idle / 1e3, 1)}
 
 async def part_sync05(args) -> None:
     from rayrl.models import resolve_model
@@ -386,12 +408,18 @@ def part_learner(args) -> None:
     path = make_qwen05("/tmp/rayrl-cache/qwen05-shape", resolve_model("smollm2"))
     g = torch.Generator().manual_seed(1)
     lengths = torch.randint(512, 4097, (64,), generator=g).tolist()
-    variants = [v.split(":") for v in args.variants.split(",")]  # eager|compile : token budget [: profile file]
+    import rayrl.actors.learner as learner_mod
+    from rayrl import attention
+
+    variants = [v.split(":") for v in args.variants.split(",")]  # eager|compile|compile-auto : budget [: profile]
     for kind, budget, *prof in variants:
-        compiled, budget = kind == "compile", int(budget)
+        compiled, budget = kind.startswith("compile"), int(budget)
+        # compile-auto: decoder layers compiled with automatic dynamic shapes (only the sizes that change)
+        learner_mod.LAYER_DYNAMIC = None if kind.startswith("compile-auto") else True
+        attention.KERNEL = "cudnn" if kind.endswith("cudnn") else "flash"  # compile-auto-cudnn: cuDNN attention
         try:
             ln, nparams, _ = _learner(path, lr=1e-6, micro=4, pack=True, budget=budget, compile=compiled)
-            emit("learner", model="Qwen2.5-0.5B-shape(random)", params=nparams, code=args.label,
+            emit("learner", model="Qwen2.5-0.5B-shape(random)", params=nparams, code=args.label, variant=kind,
                  **train_throughput(ln, lengths, 256, 151936, profile=(prof or [""])[0]))
             ln.shutdown()
             del ln
@@ -420,22 +448,19 @@ def part_attn(args) -> None:
     q, k, v, go = (torch.randn(T, h, d, device="cuda", dtype=torch.bfloat16) for h in (hq, hkv, hkv, hq))
     flops = sum(4 * n * n * d * hq / 2 for n in lens) * 3.5  # causal: forward 1x, backward 2.5x
 
-    def flash():
+    def flash():  # as the learner calls it: [1, H, T, D] in, [1, T, H, D] out (kv repeated where torch has no GQA)
         qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
-        out = attention._flash(qq, kk, vv, cu, longest, None, True)
+        out = attention.varlen_attention(None, *(t.transpose(0, 1)[None] for t in (qq, kk, vv)), None,
+                                         cu_seq_lens_q=cu, max_length_q=longest)[0][0]
         out.backward(go)
         return out, qq.grad, kk.grad, vv.grad
 
-    def cudnn():
-        rep = hq // hkv
-        kk, vv = (t.repeat_interleave(rep, dim=1) for t in (k, v))
-        res = torch.ops.aten._cudnn_attention_forward(q, kk, vv, None, cu, cu, longest, longest, True, 0.0, True,
-                                                      False, scale=None)
-        out, lse, seed, offset = res[0], res[1], res[6], res[7]
-        dq, dk, dv = torch.ops.aten._cudnn_attention_backward(go, q, kk, vv, out, lse, seed, offset,
-                                                              torch.empty(0, device="cuda"), cu, cu, longest,
-                                                              longest, 0.0, True, scale=None)
-        return out, dq, dk.view(T, hkv, rep, d).sum(2), dv.view(T, hkv, rep, d).sum(2)
+    def cudnn():  # rayrl.attention's cuDNN path, kv heads repeated (cuDNN's ragged layout has no GQA here)
+        qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+        out = attention._CudnnVarlen.apply(qq, *(t.repeat_interleave(hq // hkv, dim=1) for t in (kk, vv)), cu,
+                                           longest, None)
+        out.backward(go)
+        return out, qq.grad, kk.grad, vv.grad
 
     def timed(fn, reps=20):
         for _ in range(3):
@@ -450,7 +475,8 @@ def part_attn(args) -> None:
         return s0.elapsed_time(s1) / reps
 
     ref = flash()
-    res = {"tokens": T, "seqs": len(lens), "flash_ms": timed(flash)}
+    res = {"tokens": T, "seqs": len(lens), "flash_gqa_in_kernel": "enable_gqa" in attention._varlen_params(),
+           "flash_ms": timed(flash)}
     res["flash_tflops"] = flops / res["flash_ms"] / 1e9
     try:
         got = cudnn()

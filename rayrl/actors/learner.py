@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import itertools
 import os
 import random
 import socket
@@ -70,7 +71,7 @@ class Learner:
         model.to(self.device)
         if self.compiled:  # the forward only: FSDP's hooks around it stay eager (torchtitan does the same)
             for layer in model.model.layers:
-                layer.forward = torch.compile(layer.forward, dynamic=True)
+                layer.forward = torch.compile(layer.forward, dynamic=LAYER_DYNAMIC)
         mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
         # Shard each decoder layer, then the root (embeddings, norm, lm_head) — FSDP2's usual wrapping. One rank holds
         # everything anyway: keep the gathered bf16 copy from forward to backward instead of gathering it twice.
@@ -116,42 +117,47 @@ class Learner:
         right-padded to [len(idx), T_resp] (zeros after each response) as rayrl.algos wants them."""
         model = model or self.model
         prompts, resps = [batch.prompt_ids[i] for i in idx], [batch.response_ids[i] for i in idx]
+        plen, rlen = np.array([len(p) for p in prompts]), np.array([len(r) for r in resps])
+        lengths = plen + rlen
         # logits at position t predict token t+1: a response of n tokens after a prompt of p is predicted by [p-1, p+n-1)
         if self.cfg.learner.pack:
             # One row, no padding: positions restart at 0 at each sequence, which transformers reads as packed
             # sequences (block-diagonal causal mask for sdpa/eager, varlen for flash attention).
-            lengths = [len(p) + len(r) for p, r in zip(prompts, resps)]
-            ids = torch.tensor([[t for p, r in zip(prompts, resps) for t in p + r]], device=self.device)
-            pos = torch.tensor([[j for n in lengths for j in range(n)]], device=self.device)
-            bounds = [0, *np.cumsum(lengths).tolist()]  # where each sequence starts, and the end
-            keep = torch.tensor([s + len(p) - 1 + k for s, p, r in zip(bounds, prompts, resps) for k in range(len(r))],
-                                device=self.device)
+            ids = np.fromiter(itertools.chain.from_iterable(p + r for p, r in zip(prompts, resps)), np.int64)
+            bounds = np.concatenate([[0], np.cumsum(lengths)])  # where each sequence starts, and the end
+            keep = np.repeat(bounds[:-1] + plen - 1, rlen) + _aranges(rlen)
             # Sequence boundaries for flash attention's varlen kernel, which otherwise derives them from position_ids
             # in every layer (the other attention implementations ignore them).
-            cu = torch.tensor(bounds, dtype=torch.int32, device=self.device)
-            varlen = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max(lengths), "max_length_k": max(lengths)}
+            cu = self._dev(bounds, torch.int32)
+            varlen = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": int(lengths.max()),
+                      "max_length_k": int(lengths.max())}
             # logits_to_keep: the lm_head runs on the response-predicting positions only, [N_resp, V] not [T, V].
             # use_cache=False: with a KV cache transformers ignores the packing (the reference model keeps use_cache).
-            logits = model(input_ids=ids, position_ids=pos, logits_to_keep=keep, use_cache=False, **varlen).logits[0]
+            logits = model(input_ids=self._dev(ids[None]), position_ids=self._dev(_aranges(lengths)[None]),
+                           logits_to_keep=self._dev(keep), use_cache=False, **varlen).logits[0]
         else:  # right-padded to the longest sequence, full logits (the pre-packing path, kept for comparison)
-            longest = max(len(p) + len(r) for p, r in zip(prompts, resps))
-            ids = torch.zeros(len(idx), longest, dtype=torch.long)
-            attn = torch.zeros_like(ids)
+            ids = np.zeros((len(idx), lengths.max()), dtype=np.int64)
             for j, (p, r) in enumerate(zip(prompts, resps)):
-                ids[j, : len(p) + len(r)] = torch.tensor(p + r)
-                attn[j, : len(p) + len(r)] = 1
-            rows = [j for j, r in enumerate(resps) for _ in r]
-            cols = [len(p) - 1 + k for p, r in zip(prompts, resps) for k in range(len(r))]
-            logits = model(input_ids=ids.to(self.device), attention_mask=attn.to(self.device)).logits[rows, cols]
-        targets = torch.tensor([t for r in resps for t in r], device=self.device)
+                ids[j, : len(p) + len(r)] = p + r
+            attn = (np.arange(lengths.max())[None] < lengths[:, None]).astype(np.int64)
+            rows, cols = np.repeat(np.arange(len(idx)), rlen), np.repeat(plen - 1, rlen) + _aranges(rlen)
+            logits = model(input_ids=self._dev(ids), attention_mask=self._dev(attn)).logits[self._dev(rows),
+                                                                                              self._dev(cols)]
+        targets = self._dev(np.fromiter(itertools.chain.from_iterable(resps), np.int64))
         # temperature: the distribution the tokens were sampled from
         lp = token_logprobs(logits, targets, self.cfg.rollout.temperature, compiled=self.compiled)
-        t_resp = max(len(r) for r in resps)
-        rows = torch.tensor([j for j, r in enumerate(resps) for _ in r], device=self.device)
-        cols = torch.tensor([k for r in resps for k in range(len(r))], device=self.device)
-        out = torch.zeros(len(idx), t_resp, device=self.device).index_put((rows, cols), lp)
+        t_resp = int(rlen.max())
+        where = (self._dev(np.repeat(np.arange(len(idx)), rlen)), self._dev(_aranges(rlen)))
+        out = torch.zeros(len(idx), t_resp, device=self.device).index_put(where, lp)
         return (out, self._padded([batch.loss_mask[i] for i in idx], t_resp),
                 self._padded([batch.advantages[i] for i in idx], t_resp))
+
+    def _dev(self, array: np.ndarray, dtype: torch.dtype = torch.long) -> torch.Tensor:
+        """A host array on the learner's device without waiting for the GPU: through pinned memory, asynchronously.
+        (`torch.tensor(..., device="cuda")` copies from pageable memory and then synchronizes the stream: each one
+        left the GPU idle while the CPU built the next input, 6% of a step on an H200.)"""
+        t = torch.from_numpy(np.ascontiguousarray(array)).to(dtype)
+        return t.pin_memory().to(self.device, non_blocking=True) if self.use_cuda else t
 
     def _accumulate_locally(self, more: bool) -> None:
         """One rank holds the whole model: while more micro-batches follow, keep the gathered bf16 weights and add
@@ -164,7 +170,10 @@ class Learner:
             self.model.set_reshard_after_backward(not more)
 
     def _padded(self, rows: list[list[float]], width: int) -> torch.Tensor:
-        return torch.tensor([list(r) + [0.0] * (width - len(r)) for r in rows], dtype=torch.float32, device=self.device)
+        out = np.zeros((len(rows), width), dtype=np.float32)
+        for j, r in enumerate(rows):
+            out[j, : len(r)] = r
+        return self._dev(out, torch.float32)
 
     def _mark(self):
         """A point in the step for the trace's learner spans: on GPU a CUDA event on the stream (no synchronize, so
@@ -377,6 +386,11 @@ class Learner:
             dist.destroy_process_group()
 
 
+def _aranges(counts: np.ndarray) -> np.ndarray:
+    """0..n-1 for each n in counts, concatenated: [2, 3] -> [0, 1, 0, 1, 2]."""
+    return np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+
+
 def token_budget_bins(lengths: list[int], budget: int, min_bins: int = 0) -> list[list[int]]:
     """Indices of `lengths` grouped so that each group's total is <= `budget` (a longer sequence gets a group of
     its own), first-fit decreasing; then the fullest groups are halved until there are `min_bins` of them (at
@@ -401,6 +415,7 @@ def token_budget_bins(lengths: list[int], budget: int, min_bins: int = 0) -> lis
     return [sorted(b) for b in bins]
 
 
+LAYER_DYNAMIC: bool | None = True  # learner.compile: torch.compile(dynamic=...) of each decoder layer's forward
 LOGPROB_CHUNK = 4096  # rows of fp32 [rows, vocab] at a time in token_logprobs (2.5 GB for a 151k vocabulary)
 
 
@@ -443,7 +458,20 @@ def _fused_backward(out: torch.Tensor, logits: torch.Tensor, targets: torch.Tens
 def _kernels(compiled: bool):
     if not compiled:
         return _chunk_forward, _chunk_backward
-    return torch.compile(_chunk_forward, dynamic=True), torch.compile(_fused_backward, dynamic=True)
+    return _rows_dynamic(torch.compile(_chunk_forward)), _rows_dynamic(torch.compile(_fused_backward))
+
+
+def _rows_dynamic(kernel):
+    """Compile the kernel for any row count but this vocabulary: with every size symbolic (dynamic=True) the
+    generated code divides by a runtime vocabulary size for each element and reads unvectorized."""
+
+    def call(*args):
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                torch._dynamo.mark_dynamic(a, 0)
+        return kernel(*args)
+
+    return call
 
 
 class _TokenLogprobs(torch.autograd.Function):
