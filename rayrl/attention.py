@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 NAME = "rayrl_varlen"
-KERNEL = "flash"  # "flash": torch's varlen flash attention; "cudnn": cuDNN's ragged attention (the same boundaries)
+GQA_IN_KERNEL = False  # set by register() on a GPU: the varlen kernel reads the shared kv heads itself
 
 
 def register() -> str:
@@ -25,9 +25,34 @@ def register() -> str:
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
+    global GQA_IN_KERNEL
     AttentionInterface.register(NAME, varlen_attention)
     AttentionMaskInterface.register(NAME, _no_mask)  # the kernel masks by the boundaries itself
+    if torch.cuda.is_available():
+        GQA_IN_KERNEL = kernel_takes_gqa()
     return NAME
+
+
+def kernel_takes_gqa() -> bool:
+    """Whether this torch's varlen flash kernel takes fewer kv heads than query heads. torch 2.13 says so with
+    `enable_gqa`; 2.11's varlen_attn has no such flag, but the FlashAttention-2 kernel under it supports grouped
+    kv heads. Checked once on the GPU, forward and backward, against repeated kv heads: False on any error or
+    difference, and the caller repeats them (a copy of k and v per layer, and a sum in backward)."""
+    try:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        cu = torch.tensor([0, 40, 96], dtype=torch.int32, device="cuda")
+        q, k, v = (torch.randn(96, h, 64, device="cuda", dtype=torch.bfloat16, generator=g) for h in (4, 2, 2))
+        results = []
+        for native in (True, False):
+            qq, kk, vv = (t.clone().requires_grad_() for t in (q, k, v))
+            kv = (kk, vv) if native else (kk.repeat_interleave(2, dim=1), vv.repeat_interleave(2, dim=1))
+            out = _flash(qq, *kv, cu, 56, None, native)
+            out.float().square().sum().backward()
+            results.append((out, qq.grad, kk.grad, vv.grad))
+        # the same math up to bf16 rounding (a wrong head mapping is off by the size of the values)
+        return all(((a.float() - b.float()).norm() / b.float().norm()).item() < 2e-2 for a, b in zip(*results))
+    except Exception:  # noqa: BLE001 - any failure means: repeat the kv heads
+        return False
 
 
 def varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
@@ -38,16 +63,11 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
                            "the learner passes them when learner.pack is true")
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # -> [T, H, D]
     gqa = k.shape[1] != q.shape[1]  # grouped-query attention: each kv head serves Hq / Hkv query heads
-    if gqa and not (q.is_cuda and KERNEL == "flash" and "enable_gqa" in _varlen_params()):
+    if gqa and not (q.is_cuda and GQA_IN_KERNEL):
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         gqa = False
-    if not q.is_cuda:
-        out = _reference(q, k, v, cu, scaling)
-    elif KERNEL == "cudnn":
-        out = _CudnnVarlen.apply(q, k, v, cu, longest, scaling)
-    else:
-        out = _flash(q, k, v, cu, longest, scaling, gqa)
+    out = _flash(q, k, v, cu, longest, scaling, gqa) if q.is_cuda else _reference(q, k, v, cu, scaling)
     return out.unsqueeze(0), None
 
 
@@ -67,34 +87,13 @@ def _flash(q, k, v, cu, longest: int, scale: float | None, gqa: bool) -> torch.T
 
     params = _varlen_params()
     kw: dict = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
-    if gqa:  # the kernel reads the shared kv heads itself: no repeated copy of k and v
+    if gqa and "enable_gqa" in params:  # the kernel reads the shared kv heads itself: no repeated copy of k and v
         kw["enable_gqa"] = True
     if scale is not None and "scale" in params:
         kw["scale"] = scale
     elif scale is not None and abs(scale - q.shape[-1] ** -0.5) > 1e-9:
         raise RuntimeError(f"this torch's varlen_attn has no scale argument; the model's scaling is {scale}")
     return varlen_attn(q, k, v, cu, cu, longest, longest, **kw)
-
-
-class _CudnnVarlen(torch.autograd.Function):
-    """cuDNN's fused attention on packed rows: [T, H, D] with the cumulative lengths, causal per sequence."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, cu, longest: int, scale: float | None):
-        res = torch.ops.aten._cudnn_attention_forward(q, k, v, None, cu, cu, longest, longest, True, 0.0, True, False,
-                                                      scale=scale)
-        out, lse, seed, offset = res[0], res[1], res[6], res[7]
-        ctx.save_for_backward(q, k, v, out, lse, seed, offset, cu)
-        ctx.longest, ctx.scale = longest, scale
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        q, k, v, out, lse, seed, offset, cu = ctx.saved_tensors
-        dq, dk, dv = torch.ops.aten._cudnn_attention_backward(grad.contiguous(), q, k, v, out, lse, seed, offset,
-                                                              torch.empty(0, device=q.device), cu, cu, ctx.longest,
-                                                              ctx.longest, 0.0, True, scale=ctx.scale)
-        return dq, dk, dv, None, None, None
 
 
 def _reference(q, k, v, cu, scale: float | None) -> torch.Tensor:

@@ -411,30 +411,32 @@ def part_learner(args) -> None:
     import rayrl.actors.learner as learner_mod
     from rayrl import attention
 
-    variants = [v.split(":") for v in args.variants.split(",")]  # eager|compile|compile-auto : budget [: profile]
+    # eager | compile | compile-dynamic (every size symbolic) | compile-repeat (kv heads repeated) : budget [: profile]
+    variants = [v.split(":") for v in args.variants.split(",")]
     for kind, budget, *prof in variants:
         compiled, budget = kind.startswith("compile"), int(budget)
-        # compile-auto: decoder layers compiled with automatic dynamic shapes (only the sizes that change)
-        learner_mod.LAYER_DYNAMIC = None if kind.startswith("compile-auto") else True
-        attention.KERNEL = "cudnn" if kind.endswith("cudnn") else "flash"  # compile-auto-cudnn: cuDNN attention
+        learner_mod.LAYER_DYNAMIC = True if kind == "compile-dynamic" else None
         try:
             ln, nparams, _ = _learner(path, lr=1e-6, micro=4, pack=True, budget=budget, compile=compiled)
+            if kind == "compile-repeat":
+                attention.GQA_IN_KERNEL = False
+            gqa = attention.GQA_IN_KERNEL
             emit("learner", model="Qwen2.5-0.5B-shape(random)", params=nparams, code=args.label, variant=kind,
-                 **train_throughput(ln, lengths, 256, 151936, profile=(prof or [""])[0]))
+                 gqa_in_kernel=gqa, **train_throughput(ln, lengths, 256, 151936, profile=(prof or [""])[0]))
             ln.shutdown()
             del ln
             torch.cuda.empty_cache()
         except Exception as e:  # noqa: BLE001 - report and go on
-            emit("learner", model="Qwen2.5-0.5B-shape", code=args.label, error=repr(e)[:600], budget=budget,
-                 compile=compiled)
+            emit("learner", model="Qwen2.5-0.5B-shape", code=args.label, variant=kind, error=repr(e)[:600],
+                 budget=budget)
 
 
 def part_attn(args) -> None:
     """Attention alone, on the learner part's first 32k-token packed micro-batch (0.5B shape: 14 query heads, 2 kv
-    heads, head dim 64, causal per sequence), forward + backward: torch's varlen flash kernel as rayrl_varlen calls
-    it (GQA inside the kernel) against cuDNN's ragged attention (aten._cudnn_attention_forward/backward with the
-    cumulative lengths; kv heads repeated for it, their gradients summed back, both timed). Reports ms per call and
-    the largest differences of output and gradients from flash."""
+    heads, head dim 64, causal per sequence), forward + backward, each against the first: torch's varlen flash kernel
+    with the kv heads repeated (the learner before), the same kernel given the 2 kv heads (what `register` checks
+    and the learner now does where it works), and cuDNN's ragged attention through aten._cudnn_attention_forward /
+    backward (torch's own varlen_attn keeps that path switched off). ms per call, TFLOP/s, largest differences."""
     from rayrl import attention
     from rayrl.actors.learner import token_budget_bins
 
@@ -448,19 +450,24 @@ def part_attn(args) -> None:
     q, k, v, go = (torch.randn(T, h, d, device="cuda", dtype=torch.bfloat16) for h in (hq, hkv, hkv, hq))
     flops = sum(4 * n * n * d * hq / 2 for n in lens) * 3.5  # causal: forward 1x, backward 2.5x
 
-    def flash():  # as the learner calls it: [1, H, T, D] in, [1, T, H, D] out (kv repeated where torch has no GQA)
-        qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
-        out = attention.varlen_attention(None, *(t.transpose(0, 1)[None] for t in (qq, kk, vv)), None,
-                                         cu_seq_lens_q=cu, max_length_q=longest)[0][0]
-        out.backward(go)
-        return out, qq.grad, kk.grad, vv.grad
+    def run(native):
+        def fn():
+            qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+            kv = (kk, vv) if native else (kk.repeat_interleave(hq // hkv, 1), vv.repeat_interleave(hq // hkv, 1))
+            out = attention._flash(qq, *kv, cu, longest, None, native)
+            out.backward(go)
+            return out, qq.grad, kk.grad, vv.grad
+        return fn
 
-    def cudnn():  # rayrl.attention's cuDNN path, kv heads repeated (cuDNN's ragged layout has no GQA here)
-        qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
-        out = attention._CudnnVarlen.apply(qq, *(t.repeat_interleave(hq // hkv, dim=1) for t in (kk, vv)), cu,
-                                           longest, None)
-        out.backward(go)
-        return out, qq.grad, kk.grad, vv.grad
+    def cudnn():
+        kk, vv = (t.repeat_interleave(hq // hkv, 1) for t in (k, v))
+        res = torch.ops.aten._cudnn_attention_forward(q, kk, vv, None, cu, cu, longest, longest, True, 0.0, True,
+                                                      False, scale=None)
+        out, lse, seed, offset = res[0], res[1], res[6], res[7]
+        dq, dk, dv = torch.ops.aten._cudnn_attention_backward(go, q, kk, vv, out, lse, seed, offset,
+                                                              torch.empty(0, device="cuda"), cu, cu, longest,
+                                                              longest, 0.0, True, scale=None)
+        return out, dq, dk.view(T, hkv, -1, d).sum(2), dv.view(T, hkv, -1, d).sum(2)
 
     def timed(fn, reps=20):
         for _ in range(3):
@@ -474,18 +481,17 @@ def part_attn(args) -> None:
         torch.cuda.synchronize()
         return s0.elapsed_time(s1) / reps
 
-    ref = flash()
-    res = {"tokens": T, "seqs": len(lens), "flash_gqa_in_kernel": "enable_gqa" in attention._varlen_params(),
-           "flash_ms": timed(flash)}
-    res["flash_tflops"] = flops / res["flash_ms"] / 1e9
-    try:
-        got = cudnn()
-        res["cudnn_max_diff"] = {n: (a.float() - b.float()).abs().max().item()
-                                 for n, a, b in zip(("out", "dq", "dk", "dv"), got, ref)}
-        res["cudnn_ms"] = timed(cudnn)
-        res["cudnn_tflops"] = flops / res["cudnn_ms"] / 1e9
-    except Exception as e:  # noqa: BLE001 - report and go on
-        res["cudnn_error"] = repr(e)[:600]
+    ref = run(False)()
+    res = {"tokens": T, "seqs": len(lens), "register_says_gqa_in_kernel": attention.kernel_takes_gqa()}
+    for name, fn in (("flash_repeat", run(False)), ("flash_gqa", run(True)), ("cudnn", cudnn)):
+        try:
+            got = fn()
+            res[name + "_rel_diff"] = {n: ((a.float() - b.float()).norm() / b.float().norm()).item()
+                                       for n, a, b in zip(("out", "dq", "dk", "dv"), got, ref)}
+            res[name + "_ms"] = timed(fn)
+            res[name + "_tflops"] = flops / res[name + "_ms"] / 1e9
+        except Exception as e:  # noqa: BLE001 - report and go on
+            res[name + "_error"] = repr(e)[:300]
     emit("attn", **res)
 
 
@@ -500,7 +506,8 @@ def main() -> int:
     ap.add_argument("--eager", action="store_true", help="enforce_eager (no CUDA graphs) for both vLLM and Engine")
     ap.add_argument("--no-sync", action="store_true")
     ap.add_argument("--variants", default="eager:32768,compile:32768:learner_profile.txt,compile:49152",
-                    help="learner: eager|compile:token budget[:profile file], comma-separated")
+                    help="learner: eager|compile|compile-dynamic|compile-repeat:token budget[:profile file], "
+                         "comma-separated")
     ap.add_argument("--label", default="HEAD", help="learner: which code ran (recorded in bench.jsonl)")
     ap.add_argument("--timeout", type=float, default=300, help="per part, when running all")
     ap.add_argument("--parts", default="ceil,vllm,engine,sync05,learner", help="which parts 'all' runs, in order")
