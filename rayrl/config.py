@@ -121,7 +121,7 @@ class LearnerConfig:
     pack: bool = True  # padding-free packed rows (position_ids restart per sequence); false = right-padded
     # torch.compile each decoder layer's forward and the log-prob kernels (fuses norms, rotary, activations and the
     # fp32 log-softmax; the token count becomes symbolic after the first micro-batch, so varying micro-batch sizes
-    # recompile once; the first steps pay ~15-50 s). None = on for GPU learners (1.7x the eager tokens/s on an H200),
+    # recompile once; the first steps pay ~15-50 s). None = on for GPU learners (1.5x the eager tokens/s on an H200),
     # off on CPU (compile time outweighs the gain)
     compile: bool | None = None
     ppo_epochs: int = 1
