@@ -16,6 +16,7 @@ Parts (each appends one JSON line to DIR/bench.jsonl and prints a table line):
           attention, rayrl/attention.py), eager or with learner.compile at token budgets (--variants); profiles
           (GPU time by kernel kind, ops by input shape, a chrome trace).
 - attn:   attention alone on one packed micro-batch: torch's varlen flash kernel vs cuDNN's ragged attention.
+- summary TRACE: `trace_summary` of a stored chrome trace (no GPU needed).
 
 Prompts: reasoning-gym basic_arithmetic (rayrl's default job data) through SmolLM2's chat template, 1024 prompts
 n=1 and 128 prompts x n=8, 256 new tokens, temperature 1, the sampled token's logprob.
@@ -322,11 +323,9 @@ def kernel_kind(name: str) -> str:
 
 
 def profile_step(ln, b, name: str) -> dict:
-    """One more step under the profiler. Writes OUT/name.json.gz (a chrome trace) and OUT/name: GPU time by kernel
-    kind, how long the GPU sat idle and which CPU op launched the kernel after each gap, the top kernels and the top
-    ops by input shape (what the copies copy). Returns the kind totals (ms) and the idle time."""
+    """One more step under the profiler. Writes OUT/name.json.gz (a chrome trace) and OUT/name (`trace_summary`, then
+    the top ops by input shape: what the copies copy). Returns the kind totals (ms) and the idle time."""
     import gzip
-    from collections import defaultdict
 
     from torch.profiler import ProfilerActivity, profile as prof
 
@@ -342,6 +341,21 @@ def profile_step(ln, b, name: str) -> dict:
     with gzip.open(path + ".json.gz", "wt") as f:
         json.dump({"traceEvents": trace}, f)
     os.remove(path + ".json")
+    text, totals = trace_summary(trace)
+    with open(path, "w") as f:
+        f.write(f"step wall {wall * 1e3:.0f} ms; {text}\nops by input shape (self GPU time):\n")
+        f.write(p.key_averages(group_by_input_shape=True).table(sort_by="self_device_time_total", row_limit=40,
+                                                                 max_name_column_width=50, max_shapes_column_width=90))
+    print(f"profile: step {wall:.3f} s, {totals} -> {path}", flush=True)
+    return totals
+
+
+def trace_summary(trace: list[dict]) -> tuple[str, dict]:
+    """From a chrome trace's events: GPU time by kernel kind, how long the GPU sat idle (gaps > 50 us between kernels)
+    and which CPU op launched the kernel after each gap (through the runtime or driver call with the kernel's
+    correlation id), and the top kernels. `python bench_engine.py summary TRACE.json.gz` reads a stored one."""
+    from collections import defaultdict
+
     kernels = sorted((e for e in trace if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
                      key=lambda e: e["ts"])
     kinds: dict = defaultdict(lambda: [0.0, 0])
@@ -350,8 +364,8 @@ def profile_step(ln, b, name: str) -> dict:
         kinds[kernel_kind(e["name"])][0] += e["dur"] / 1e3
         kinds[kernel_kind(e["name"])][1] += 1
         top[e["name"][:120]] += e["dur"] / 1e3
-    # idle: gaps between the union of kernel intervals; blamed on the CPU op that launched the kernel after each gap
-    launches = {e["args"].get("correlation"): e for e in trace if e.get("ph") == "X" and e.get("cat") == "cuda_runtime"}
+    launches = {e["args"].get("correlation"): e for e in trace
+                if e.get("ph") == "X" and e.get("cat") in ("cuda_runtime", "cuda_driver")}
     ops = [e for e in trace if e.get("ph") == "X" and e.get("cat") in ("cpu_op", "user_annotation")]
     blame: dict = defaultdict(float)
     end, idle = kernels[0]["ts"], 0.0
@@ -360,29 +374,27 @@ def profile_step(ln, b, name: str) -> dict:
         if gap > 50:  # us
             idle += gap
             r = launches.get(e.get("args", {}).get("correlation"))
-            at, tid = (r["ts"], r.get("tid")) if r else (e["ts"], None)
-            around = sorted((o for o in ops if o.get("tid") == tid and o["ts"] <= at <= o["ts"] + o["dur"]),
+            around = sorted((o for o in ops if r and o.get("tid") == r.get("tid") and o["ts"] <= r["ts"] <= o["ts"] + o["dur"]),
                             key=lambda o: o["dur"])
-            blame[" < ".join(o["name"][:48] for o in around[:3]) or "(no CPU op)"] += gap / 1e3
+            blame[" < ".join(o["name"][:48] for o in around[:3]) or "(launch not found)"] += gap / 1e3
         end = max(end, e["ts"] + e["dur"])
     span = (end - kernels[0]["ts"]) / 1e3
     busy = sum(v[0] for v in kinds.values())
-    with open(path, "w") as f:
-        f.write(f"step wall {wall * 1e3:.0f} ms; kernels from first to last {span:.0f} ms, of which kernels ran "
-                f"{busy:.0f} ms and the GPU sat idle {idle / 1e3:.0f} ms in gaps > 50 us\n\nms by kernel kind:\n")
-        for kind, (ms, n) in sorted(kinds.items(), key=lambda kv: -kv[1][0]):
-            f.write(f"  {kind:18s} {ms:8.1f} ms {n:6d} kernels\n")
-        f.write("\nidle before kernels launched by (innermost CPU ops):\n")
-        for k, ms in sorted(blame.items(), key=lambda kv: -kv[1])[:15]:
-            f.write(f"  {ms:7.1f} ms  {k}\n")
-        f.write("\ntop kernels:\n")
-        for k, ms in sorted(top.items(), key=lambda kv: -kv[1])[:30]:
-            f.write(f"  {ms:7.1f} ms  {k}\n")
-        f.write("\nops by input shape (self GPU time):\n")
-        f.write(p.key_averages(group_by_input_shape=True).table(sort_by="self_device_time_total", row_limit=40,
-                                                                 max_name_column_width=50, max_shapes_column_width=90))
-    print(f"profile: step {wall:.3f} s, kernels {busy:.0f} ms, idle {idle / 1e3:.0f} ms -> {path}", flush=True)
-    return {**{kind: round(v[0], 1) for kind, v in kinds.items()}, "idle": round(idle / 1e3, 1)}
+    lines = [f"kernels from first to last {span:.0f} ms, of which kernels ran {busy:.0f} ms and the GPU sat idle "
+             f"{idle / 1e3:.0f} ms in gaps > 50 us", "", "ms by kernel kind:"]
+    lines += [f"  {kind:18s} {ms:8.1f} ms {n:6d} kernels" for kind, (ms, n) in sorted(kinds.items(), key=lambda kv: -kv[1][0])]
+    lines += ["", "idle before kernels launched by (innermost CPU ops):"]
+    lines += [f"  {ms:7.1f} ms  {k}" for k, ms in sorted(blame.items(), key=lambda kv: -kv[1])[:15]]
+    lines += ["", "top kernels:"]
+    lines += [f"  {ms:7.1f} ms  {k}" for k, ms in sorted(top.items(), key=lambda kv: -kv[1])[:30]]
+    return "\n".join(lines) + "\n", {**{kind: round(v[0], 1) for kind, v in kinds.items()}, "idle": round(idle / 1e3, 1)}
+
+
+def bench_lengths() -> list[int]:
+    """The learner and attn parts' 64 sequence lengths, 512-4096 tokens (seed 1)."""
+    g = torch.Generator().manual_seed(1)
+    return torch.randint(512, 4097, (64,), generator=g).tolist()
+
 
 async def part_sync05(args) -> None:
     from rayrl.models import resolve_model
@@ -406,8 +418,7 @@ def part_learner(args) -> None:
     from rayrl.models import resolve_model
 
     path = make_qwen05("/tmp/rayrl-cache/qwen05-shape", resolve_model("smollm2"))
-    g = torch.Generator().manual_seed(1)
-    lengths = torch.randint(512, 4097, (64,), generator=g).tolist()
+    lengths = bench_lengths()
     import rayrl.actors.learner as learner_mod
     from rayrl import attention
 
@@ -440,8 +451,7 @@ def part_attn(args) -> None:
     from rayrl import attention
     from rayrl.actors.learner import token_budget_bins
 
-    g = torch.Generator().manual_seed(1)
-    lengths = torch.randint(512, 4097, (64,), generator=g).tolist()
+    lengths = bench_lengths()
     lens = [lengths[i] for i in token_budget_bins(lengths, 32768)[0]]
     T, hq, hkv, d = sum(lens), 14, 2, 64
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
@@ -498,7 +508,8 @@ def part_attn(args) -> None:
 def main() -> int:
     global OUT
     ap = argparse.ArgumentParser()
-    ap.add_argument("part", choices=["all", "ceil", "vllm", "engine", "sync05", "learner", "attn"])
+    ap.add_argument("part", choices=["all", "ceil", "vllm", "engine", "sync05", "learner", "attn", "summary"])
+    ap.add_argument("trace", nargs="?", help="summary: a chrome trace (.json or .json.gz) that profile_step wrote")
     ap.add_argument("--out", default=".")
     ap.add_argument("--max-tokens", type=int, default=256)
     ap.add_argument("--max-num-seqs", type=int, default=256)
@@ -535,6 +546,11 @@ def main() -> int:
         part_learner(args)
     elif args.part == "attn":
         part_attn(args)
+    elif args.part == "summary":
+        import gzip
+
+        with (gzip.open if args.trace.endswith(".gz") else open)(args.trace, "rt") as f:
+            print(trace_summary(json.load(f)["traceEvents"])[0])
     else:
         asyncio.run({"engine": part_engine, "sync05": part_sync05}[args.part](args))
     return 0
