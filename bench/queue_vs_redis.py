@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import ray
 
-from rayrl.actors.queue import TaskQueue, pack
+from rayrl.actors.queue import TaskQueueActor, pack
 from rayrl.types import Task, Trajectory
 
 TARGETS = {"single": 0.5, "batched": 1.0}  # TaskQueue / Redis
@@ -235,7 +235,7 @@ def main() -> None:
         # Ray starts its workers at nice 15; redis-server and the Redis consumer run at 0. Same priority
         # for both sides, or on a busy machine the TaskQueue side loses the CPU for a reason unrelated to it.
         ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, _system_config={"worker_niceness": 0})
-        q = TaskQueue.remote()
+        q = TaskQueueActor.remote()
         consumer = Consumer.remote(q, "consumer-0")
         ray.get(q.stats.remote(), timeout=60)
         modes = [m for m in [("single", "one at a time", args.n_single, 1),

@@ -7,8 +7,8 @@ For a trivial snippet and a numpy snippet, prints p50/p99 latency of one run at 
   bare       subprocess.run([sys.executable, "-c", code])       (site imported: what a naive sandbox pays)
   bare -S    subprocess.run([sys.executable, "-S", "-c", code])  (the interpreter alone)
   pool       SandboxPool(), default isolation (namespaces, uid, rlimits, tmp dirs): runs forked from per-slot zygotes
-  pool spawn SandboxPool({"zygote": False}): the same isolation, a new `python -S` per run (the fallback path)
-  pool no-ns SandboxPool({"namespaces": "off"}): rlimits + uid, no namespaces (zygotes)
+  pool spawn SandboxPool(SandboxConfig(zygote=False)): the same isolation, a new `python -S` per run (the fallback path)
+  pool no-ns SandboxPool(SandboxConfig(namespaces="off")): rlimits + uid, no namespaces (zygotes)
 The pools are warmed up first (one run per slot: the isolation probe, and starting the zygotes, whose one-time
 cost, mostly `import numpy`, is printed as `first run` and not counted in the rows).
 Targets: p50 <= 30 ms, >= 50 exec/s per core.
@@ -24,7 +24,8 @@ import subprocess
 import sys
 import time
 
-from rayrl.actors.sandbox import SandboxPool
+from rayrl.config import SandboxConfig
+from rayrl.sandbox import SandboxPool
 
 SNIPPETS = {"trivial": "print(1 + 1)", "numpy": "import numpy as np\nprint(int(np.arange(10).sum()))"}
 
@@ -63,7 +64,7 @@ def bare(flags: list[str], code: str, runs: int, conc: int) -> tuple[list[float]
 def pool(cfg: dict, code: str, runs: int, conc: int) -> tuple[list[float], float, float]:
     """(latencies, exec/s, seconds of the warm-up)."""
     async def go() -> tuple[list[float], float, float]:
-        p = SandboxPool({"max_concurrency": conc, **cfg})
+        p = SandboxPool(SandboxConfig(max_concurrency=conc, **cfg))
         t = time.perf_counter()
         await asyncio.gather(*(p.run(code) for _ in range(conc)))  # warm-up: isolation probe, one zygote per slot
         warm = time.perf_counter() - t

@@ -1,4 +1,5 @@
-"""From a step's trajectories to learner batches: group, drop what cannot be trained on, advantages, shards.
+"""From a step's trajectories to learner batches: group, drop what cannot be trained on, advantages, shards, and
+the learner's token-budget micro-batches.
 
 How failures are treated (documented in the README):
 - a failed trajectory (agent or reward raised / timed out, or no tokens) is never trained on;
@@ -9,8 +10,6 @@ How failures are treated (documented in the README):
 from __future__ import annotations
 
 from collections import defaultdict
-
-import torch
 
 from rayrl.types import TrainBatch, Trajectory
 
@@ -28,6 +27,8 @@ def trainable_groups(trajs: list[Trajectory]) -> tuple[list[list[Trajectory]], i
 
 def advantages(groups: list[list[Trajectory]], norm_by_std: bool) -> list[list[float]]:
     """Per-token GRPO advantages (verl's estimator), in the order of the flattened groups."""
+    import torch
+
     from rayrl.algos import grpo_advantages  # imports verl (~7 s): only where it is used
 
     flat = [t for g in groups for t in g]
@@ -42,7 +43,7 @@ def advantages(groups: list[list[Trajectory]], norm_by_std: bool) -> list[list[f
     # GRPO's advantage is one number per sequence: broadcast it over every token, masked ones included
     # (the loss mask removes those), so env tokens inside the response need no special casing.
     per_seq = [float(adv[i][mask[i] > 0][0]) if mask[i].any() else 0.0 for i in range(len(flat))]
-    return [[a] * len(t.response_ids) for a, t in zip(per_seq, flat)]
+    return [[a] * len(t.response_ids) for a, t in zip(per_seq, flat, strict=True)]
 
 
 def shard(groups: list[list[Trajectory]], advs: list[list[float]], world: int) -> list[TrainBatch]:
@@ -66,3 +67,27 @@ def shard(groups: list[list[Trajectory]], advs: list[list[float]], world: int) -
             b.advantages.append([0.0] * len(flat[j].loss_mask))
         out.append(b)
     return out
+
+
+def token_budget_bins(lengths: list[int], budget: int, min_bins: int = 0) -> list[list[int]]:
+    """Indices of `lengths` grouped so that each group's total is <= `budget` (a longer sequence gets a group of
+    its own), first-fit decreasing; then the fullest groups are halved until there are `min_bins` of them (at
+    most one per sequence). Indices ascend within a group. The learner's micro-batches (one packed row each)."""
+    bins: list[list[int]] = []
+    loads: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        k = next((k for k, load in enumerate(loads) if load + lengths[i] <= budget), len(bins))
+        if k == len(bins):
+            bins.append([])
+            loads.append(0)
+        bins[k].append(i)
+        loads[k] += lengths[i]
+    while len(bins) < min(min_bins, len(lengths)):
+        k = max((k for k in range(len(bins)) if len(bins[k]) > 1), key=lambda k: loads[k])
+        halves: tuple[list[int], list[int]] = ([], [])
+        for i in sorted(bins.pop(k), key=lambda i: -lengths[i]):  # longest first, each to the lighter half
+            min(halves, key=lambda h: sum(lengths[j] for j in h)).append(i)
+        loads.pop(k)
+        bins += halves
+        loads += [sum(lengths[j] for j in h) for h in halves]
+    return [sorted(b) for b in bins]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from rayrl.config import ConfigError, load_config
+
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -16,8 +18,6 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
     if cmd == "train":
-        from rayrl.train import main as train_main
-
         return train_main(rest)
     if cmd == "export-hf":
         p = argparse.ArgumentParser(prog="rayrl export-hf")
@@ -35,6 +35,19 @@ def main(argv: list[str] | None = None) -> int:
     return 2
 
 
+def train_main(argv: list[str]) -> int:
+    """`rayrl train [JOB.yaml] [section.key=value ...]`: the config is checked before ray, torch and verl load."""
+    path = argv[0] if argv and "=" not in argv[0] else None
+    try:
+        cfg = load_config(path, argv[1:] if path is not None else argv)
+    except ConfigError as e:
+        print(f"rayrl: config error: {e}", file=sys.stderr)
+        return 2
+    from rayrl.train import run  # seconds of imports (ray, torch, verl): only for a config that can run
+
+    return run(cfg)
+
+
 def trace_main(argv: list[str]) -> int:
     """`rayrl trace dump`: steps FIRST..LAST (inclusive, as numbered in the step log) of a run as one trace.json."""
     p = argparse.ArgumentParser(prog="rayrl trace dump", description=trace_main.__doc__)
@@ -45,7 +58,6 @@ def trace_main(argv: list[str]) -> int:
     p.add_argument("-o", "--out", required=True)
     a = p.parse_args(argv)
     from rayrl import trace
-    from rayrl.config import ConfigError, load_config
 
     run = a.run
     if run is None or run.endswith((".yaml", ".yml")):

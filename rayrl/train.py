@@ -15,16 +15,16 @@ checkpoint. How it departs from textbook GRPO:
 from __future__ import annotations
 
 import random
-from collections import Counter
 import signal
 import sys
 import time
+from collections import Counter
 
 import ray
 
 from rayrl import checkpoint, cluster, trace, weight_sync
 from rayrl.batching import advantages, shard, trainable_groups
-from rayrl.config import Config, ConfigError, check_cluster, load_config
+from rayrl.config import Config, ConfigError, check_cluster
 from rayrl.data import DataIterator, load_rows
 from rayrl.metrics import StepLogger, dashboard, phase_shares, summarize, tool_metrics, val_metrics
 from rayrl.models import resolve_model
@@ -50,14 +50,14 @@ def train(cfg: Config) -> dict:
         log = StepLogger(t.output_dir, t.logger, t.total_steps, step, cfg.to_dict(), t.experiment_name)
         feeder = Feeder(cfg, actors.queue, data, start=step)
         if val_rows and t.val_before_train and step == 0:
-            log.log(0, validate(cfg, actors, model_path, val_rows, version))
+            log.log(0, validate(cfg, actors, val_rows, version))
         while step < t.total_steps:
             with trace.step(step + 1):  # one span in the trace holding this step's phases and trajectories
                 val: dict[str, float] = {}
                 t0, w0 = time.perf_counter(), time.time()
                 with trace.span("rollout"):
                     feeder.fill(until=min(step + cfg.algo.max_staleness, t.total_steps - 1), version=version)
-                    trajs = collect(cfg, actors, model_path, feeder.expected.pop(step), step, feeder.early)
+                    trajs = collect(cfg, actors, feeder.expected.pop(step), step, feeder.early)
                 trace.trajectories(trajs)
                 check_failures(trajs, step + 1, log)
                 t_rollout = time.perf_counter() - t0
@@ -66,7 +66,7 @@ def train(cfg: Config) -> dict:
                 version, step = version + 1, step + 1
                 sync_s = sync_weights(cfg, actors, version)  # <- the engines serve the new policy from here on
                 if val_rows and t.test_freq and step % t.test_freq == 0:
-                    val = validate(cfg, actors, model_path, val_rows, version)
+                    val = validate(cfg, actors, val_rows, version)
                 if (t.save_freq and step % t.save_freq == 0) or step == t.total_steps:
                     summary["checkpoint"] = save(cfg, actors, step, version, feeder.state_before(step))
                 m = step_metrics(trajs, groups, dropped, learn, t_rollout, sync_s, version, time.perf_counter() - t0)
@@ -115,7 +115,7 @@ class Feeder:
         return self.states.get(step) or self.data.state()
 
 
-def collect(cfg: Config, actors, model_path: str, expected: set[str], step: int,
+def collect(cfg: Config, actors, expected: set[str], step: int,
             early: dict[int, dict[str, Trajectory]]) -> list[Trajectory]:
     """Wait for every trajectory of `step` (failed ones included); replace rollout workers that die."""
     got = early.pop(step, {})
@@ -130,7 +130,7 @@ def collect(cfg: Config, actors, model_path: str, expected: set[str], step: int,
                   cfg.trainer.experiment_name)
         for tr in batch:  # keyed by task id: a trajectory can never count twice
             (got if tr.step == step else early.setdefault(tr.step, {}))[tr.task_id] = tr
-        for wid in cluster.restart_dead_workers(actors, cfg, model_path):
+        for wid in cluster.restart_dead_workers(actors, cfg):
             print(f"rayrl: rollout worker {wid} died; its leases were re-queued and it was replaced", file=sys.stderr)
     return list(got.values())
 
@@ -145,21 +145,22 @@ def update(cfg: Config, learners: list, groups: list[list[Trajectory]]) -> dict[
     timeout = cfg.learner.timeout
     on_policy = len(minibatches) == 1 and cfg.learner.ppo_epochs == 1 and cfg.algo.max_staleness == 0
     with trace.span("learner/compute_logprobs"):
-        olds = None if on_policy else [ray.get([ln.compute_logprobs.remote(s) for ln, s in zip(learners, sh)],
-                                               timeout=timeout) for sh in shards]
+        olds = None if on_policy else [
+            ray.get([ln.compute_logprobs.remote(s) for ln, s in zip(learners, sh, strict=True)], timeout=timeout)
+            for sh in shards]
     stats = []
     for epoch in range(cfg.learner.ppo_epochs):
         for j, sh in enumerate(shards):
             with trace.span("learner/train_step", epoch=epoch, minibatch=j):  # forward + backward + optimizer step
                 t0 = time.time()
                 stats.append(ray.get([ln.train_step.remote(s, None if olds is None else olds[j][r])
-                                      for r, (ln, s) in enumerate(zip(learners, sh))], timeout=timeout))
+                                      for r, (ln, s) in enumerate(zip(learners, sh, strict=True))], timeout=timeout))
                 trace.learner([e for st in stats[-1] for e in st.events], t0, time.time())  # a lane per rank
     last = stats[-1]
     learner_s = sum(max(s.seconds for s in st) for st in stats)  # the slowest rank of each optimizer step
     return {"actor/loss": sum(s.loss for s in last), "actor/pg_clipfrac": sum(s.pg_clipfrac for s in last),
-            "actor/ppo_kl": sum(s.ppo_kl for s in last), "actor/grad_norm": last[0].grad_norm,
-            "actor/updates": len(stats), "time/learner_s": learner_s,
+            "actor/ppo_kl": sum(s.ppo_kl for s in last), "actor/entropy": sum(s.entropy for s in last),
+            "actor/grad_norm": last[0].grad_norm, "actor/updates": len(stats), "time/learner_s": learner_s,
             # every token a train_step forwarded (prompts and responses, all epochs) per second of train_step
             "learner/tokens_per_s": cfg.learner.ppo_epochs * sum(len(t.prompt_ids) + len(t.response_ids)
                                                                  for g in groups for t in g) / max(learner_s, 1e-9)}
@@ -167,7 +168,7 @@ def update(cfg: Config, learners: list, groups: list[list[Trajectory]]) -> dict[
 
 def sync_weights(cfg: Config, actors, version: int) -> float:
     """The learners' weights -> every engine, by the strategy resolved at start (object_store, cuda_ipc or
-    broadcast: rayrl/weight_sync.py). Returns the seconds until the slowest engine serves them."""
+    broadcast: rayrl/weight_sync/). Returns the seconds until the slowest engine serves them."""
     t0 = time.perf_counter()
     with trace.span("weight_sync", version=version, strategy=actors.weight_sync):
         weight_sync.push(actors.weight_sync, actors.learners, actors.engines, version, cfg.engine.sync_timeout)
@@ -197,7 +198,7 @@ def save(cfg: Config, actors, step: int, version: int, data_state: dict) -> str:
                                          "python_rng": random.getstate()})
 
 
-def validate(cfg: Config, actors, model_path: str, rows: list, version: int) -> dict[str, float]:
+def validate(cfg: Config, actors, rows: list, version: int) -> dict[str, float]:
     """`trainer.val_n` samples per validation prompt with the current policy -> mean@n, pass@n, maj@n per data source."""
     vstep = -1 - version  # negative steps never collide with training steps in the queue
     t = cfg.trainer
@@ -208,7 +209,7 @@ def validate(cfg: Config, actors, model_path: str, rows: list, version: int) -> 
              for i, r in enumerate(rows) for k in range(cfg.trainer.val_n)]
     with trace.span("validate", version=version):
         ray.get(actors.queue.put.remote(tasks), timeout=60)
-        trajs = collect(cfg, actors, model_path, {t.task_id for t in tasks}, vstep, {})
+        trajs = collect(cfg, actors, {t.task_id for t in tasks}, vstep, {})
     trace.trajectories(trajs)
     return val_metrics(trajs)
 
@@ -241,14 +242,8 @@ def step_metrics(trajs: list[Trajectory], groups, dropped: int, learn: dict, t_r
             "sandbox/latency_s": sum(sandbox) / len(sandbox) if sandbox else 0.0, **tool_metrics(trajs), **learn}
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    path = argv.pop(0) if argv and "=" not in argv[0] else None
-    try:
-        cfg = load_config(path, argv)
-    except ConfigError as e:
-        print(f"rayrl: config error: {e}", file=sys.stderr)
-        return 2
+def run(cfg: Config) -> int:
+    """`rayrl train` once rayrl.cli has loaded the config: the exit code (2: a config error found on the cluster)."""
     # `ray job stop` sends SIGTERM: unwind like Ctrl-C, so `finally` stops the actors and writes the trace.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
@@ -263,4 +258,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from rayrl.cli import main as cli_main
+
+    sys.exit(cli_main(["train", *sys.argv[1:]]))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,11 +60,6 @@ class Trajectory:
     def ok(self) -> bool:
         return self.error is None and self.reward is not None and len(self.response_ids) > 0
 
-    @classmethod
-    def failed(cls, task: Task, error: str, **kw: Any) -> Trajectory:
-        return cls(task_id=task.task_id, group_id=task.group_id, step=task.step,
-                   data_source=task.data_source, policy_version=task.policy_version, error=error, **kw)
-
 
 @dataclass
 class Generation:
@@ -77,14 +73,77 @@ class Generation:
 
 
 @dataclass
+class Turn:
+    """One engine call of a session, as the engine returned it."""
+
+    env_len: int  # tokens inserted before this turn's prompt end (tool/user messages + template), masked 0
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+    engine: int
+    tool_calls: int = 0
+    parse_error: str | None = None
+    start: float = 0.0  # wall clock (time.time()) of the engine call, for the trace
+    end: float = 0.0
+
+
+@dataclass
+class SessionRecord:
+    """What the Gateway's `close_session` returns: one episode's calls as one token sequence, ready for a Trajectory."""
+
+    session_id: str
+    task_id: str
+    prompt_ids: list[int] = field(default_factory=list)
+    response_ids: list[int] = field(default_factory=list)  # model tokens and env tokens between turns
+    loss_mask: list[int] = field(default_factory=list)  # 1 = sampled by the engine, 0 = env/tool/template tokens
+    logprobs: list[float] = field(default_factory=list)  # the engine's, 0.0 where loss_mask is 0
+    num_turns: int = 0
+    policy_version: int | None = None
+    finish_reason: str = ""
+    turns: list[Turn] = field(default_factory=list)
+    parse_errors: list[str] = field(default_factory=list)  # malformed tool calls, per turn that had one
+    errors: list[str] = field(default_factory=list)  # requests of this session that were refused (4xx)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.response_ids
+
+    def record(self, gen: Generation, engine: int = 0, start: float = 0.0) -> Turn:
+        """Append one call. Its prompt must extend every token so far (append-only conversations only)."""
+        env: list[int] = []
+        if self.num_turns == 0:
+            self.prompt_ids = list(gen.prompt_ids)
+            self.policy_version = gen.policy_version
+        else:
+            prev = self.all_ids
+            if gen.prompt_ids[: len(prev)] != prev:
+                raise ValueError("the conversation was rewritten between turns (the new prompt does not extend the "
+                                 "previous tokens); only append-only conversations can be trained on")
+            env = gen.prompt_ids[len(prev):]  # tool/user tokens between turns: in context, not trained
+            self.response_ids += env
+            self.loss_mask += [0] * len(env)
+            self.logprobs += [0.0] * len(env)
+        self.response_ids += gen.token_ids
+        self.loss_mask += [1] * len(gen.token_ids)
+        self.logprobs += gen.logprobs
+        self.num_turns += 1
+        self.finish_reason = gen.finish_reason
+        turn = Turn(env_len=len(env), token_ids=list(gen.token_ids), logprobs=list(gen.logprobs),
+                    finish_reason=gen.finish_reason, engine=engine, start=start, end=time.time())
+        self.turns.append(turn)
+        return turn
+
+
+@dataclass
 class StepStats:
     """One learner update, as reported back to the driver."""
 
+    # loss, pg_clipfrac, ppo_kl, entropy: this rank's shares of the mini-batch values (the driver sums over ranks)
     loss: float
     pg_clipfrac: float
     ppo_kl: float
     grad_norm: float
-    entropy: float
+    entropy: float  # of the temperature-scaled policy at each response token, token-mean over the loss mask
     num_tokens: int
     seconds: float
     extra: dict[str, float] = field(default_factory=dict)

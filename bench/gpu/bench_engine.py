@@ -8,8 +8,8 @@ Parts (each appends one JSON line to DIR/bench.jsonl and prints a table line):
 - vllm:   vLLM's own offline `LLM.generate` on the prompts below (the peer).
 - engine: rayrl's `Engine` (vllm backend, AsyncLLM, one request per sample) on the same prompts and sampling;
           then with a `Learner` (FSDP2, nccl) on the same GPU: weight sync learner -> engine through rayrl's
-          strategies (rayrl/weight_sync.py) object_store (`Learner.weights` -> `Engine.update_weights`) and cuda_ipc
-          (`Learner.ipc_handle` -> `Engine.load_ipc`), each against a device-to-device copy of the same bytes;
+          strategies (rayrl/weight_sync/) object_store and cuda_ipc (`Learner.send_weights` ->
+          `Engine.receive_weights`), each against a device-to-device copy of the same bytes;
           engine-vs-learner logprob agreement after each sync.
 - sync05: the same two syncs for a random-init Qwen2.5-0.5B-shaped model (untied lm_head).
 - learner: the learner's training throughput / MFU on that model: padding-free packed rows (varlen flash
@@ -128,7 +128,8 @@ def part_vllm(args) -> None:
     del llm
 
 
-def _learner(model_path: str, lr: float, micro: int = 8, pack: bool = True, budget: int = 0, compile: bool = False):
+def _learner(model_path: str, lr: float, micro: int = 8, pack: bool = True, budget: int = 0, compile: bool = False,
+             layer_dynamic: bool | None = None):
     from rayrl.actors.learner import Learner
     from rayrl.config import load_config
 
@@ -137,7 +138,7 @@ def _learner(model_path: str, lr: float, micro: int = 8, pack: bool = True, budg
                              "rollout.max_response_length=768", f"learner.pack={pack}",
                              f"learner.max_tokens_per_micro_batch={budget}", f"learner.compile={compile}"],
                       check_files=False)
-    ln = Learner(model_path, cfg)
+    ln = Learner(model_path, cfg, layer_dynamic=layer_dynamic)
     t0 = time.perf_counter()
     nparams = ln.setup()
     return ln, nparams, time.perf_counter() - t0
@@ -172,20 +173,20 @@ async def ipc_sync(ln, eng, version: int) -> dict:
     """rayrl's cuda_ipc strategy: the learner copies its weights into its persistent GPU buffer, the engine worker
     loads from views of it (the IPC handle is opened on the first sync only, then cached)."""
     t0 = time.perf_counter()
-    handle = ln.ipc_handle()
+    handle = ln.send_weights("cuda_ipc", version)
     t1 = time.perf_counter()
-    await eng.load_ipc(handle, version)
+    await eng.receive_weights("cuda_ipc", handle, version)
     t2 = time.perf_counter()
-    return {"copy_s": t1 - t0, "load_s": t2 - t1, "total_s": t2 - t0, "bytes": ln._ipc.buf.numel(),
-            "worker_load": eng._backend.ipc_loads}
+    return {"copy_s": t1 - t0, "load_s": t2 - t1, "total_s": t2 - t0, "bytes": ln._senders["cuda_ipc"].buf.numel(),
+            "worker_load": eng._receivers["cuda_ipc"].loads}
 
 
 async def rayrl_sync(ln, eng, version: int) -> dict:
     """rayrl's object_store strategy: full state to CPU on the learner, a safetensors file in /dev/shm, reload."""
     t0 = time.perf_counter()
-    packet = ln.weights(version)
+    packet = ln.send_weights("object_store", version)
     t1 = time.perf_counter()
-    upd = await eng.update_weights(packet)
+    upd = await eng.receive_weights("object_store", packet, version)
     return {"weights_s": t1 - t0, "update_s": upd, "total_s": time.perf_counter() - t0, "bytes": packet.nbytes}
 
 
@@ -419,16 +420,15 @@ def part_learner(args) -> None:
 
     path = make_qwen05("/tmp/rayrl-cache/qwen05-shape", resolve_model("smollm2"))
     lengths = bench_lengths()
-    import rayrl.actors.learner as learner_mod
     from rayrl import attention
 
     # eager | compile | compile-dynamic (every size symbolic) | compile-repeat (kv heads repeated) : budget [: profile]
     variants = [v.split(":") for v in args.variants.split(",")]
     for kind, budget, *prof in variants:
         compiled, budget = kind.startswith("compile"), int(budget)
-        learner_mod.LAYER_DYNAMIC = True if kind == "compile-dynamic" else None
         try:
-            ln, nparams, _ = _learner(path, lr=1e-6, micro=4, pack=True, budget=budget, compile=compiled)
+            ln, nparams, _ = _learner(path, lr=1e-6, micro=4, pack=True, budget=budget, compile=compiled,
+                                      layer_dynamic=True if kind == "compile-dynamic" else None)
             if kind == "compile-repeat":
                 attention.GQA_IN_KERNEL = False
             gqa = attention.GQA_IN_KERNEL
@@ -449,7 +449,7 @@ def part_attn(args) -> None:
     and the learner now does where it works), and cuDNN's ragged attention through aten._cudnn_attention_forward /
     backward (torch's own varlen_attn keeps that path switched off). ms per call, TFLOP/s, largest differences."""
     from rayrl import attention
-    from rayrl.actors.learner import token_budget_bins
+    from rayrl.batching import token_budget_bins
 
     lengths = bench_lengths()
     lens = [lengths[i] for i in token_budget_bins(lengths, 32768)[0]]

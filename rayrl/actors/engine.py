@@ -21,7 +21,6 @@ import ray
 from rayrl import weight_sync
 from rayrl.config import EngineConfig
 from rayrl.types import Generation
-from rayrl.weights import WeightsPacket, unpack
 
 
 @dataclass
@@ -42,6 +41,9 @@ class Engine:
         self.inflight = 0
         self.tokens_out = 0
         self._backend = None
+        # weights in: one receiver per strategy (rayrl/weight_sync/), the driver picks which
+        self._receivers: dict[str, weight_sync.Receiver] = {
+            name: strategy.Receiver() for name, strategy in weight_sync.STRATEGIES.items()}
 
     async def start(self) -> None:
         self._backend = _VLLM(self) if self.cfg.backend == "vllm" else _HF(self)
@@ -61,28 +63,21 @@ class Engine:
         return Generation(prompt_ids=list(prompt_ids), token_ids=ids, logprobs=lps, finish_reason=finish,
                           policy_version=version)
 
-    # --- weights in (rayrl/weight_sync.py) ---
+    # --- weights in (rayrl/weight_sync/) ---
 
-    async def update_weights(self, packet: WeightsPacket) -> float:
-        """object_store: load a full state dict; returns the seconds it took."""
-        return await self._sync(self._backend.load(unpack(packet)), packet.version, "object_store update")
+    async def connect_weights(self, strategy: str, setup) -> None:
+        """`strategy`'s one-time setup on this engine (broadcast: its workers join learner rank 0's group)."""
+        await self._sync(self._receivers[strategy].connect(self._backend, setup), None, f"{strategy} setup")
 
-    async def load_ipc(self, handle: weight_sync.IpcHandle, version: int) -> float:
-        """cuda_ipc: load from learner rank 0's GPU buffer (opened once, then reused); returns the seconds."""
-        return await self._sync(self._vllm("cuda_ipc").load_ipc(handle), version, "cuda_ipc load")
-
-    async def join_weight_group(self, host: str, port: int, rank_offset: int, world_size: int, backend: str) -> None:
-        """broadcast: this engine's workers join learner rank 0's group as ranks rank_offset, rank_offset+1, ..."""
-        await self._sync(self._vllm("broadcast").join(host, port, rank_offset, world_size, backend), None,
-                         "joining the weight group")
-
-    async def receive_weights(self, version: int) -> float:
-        """broadcast: receive and load one sync's buckets (learner rank 0 sends at the same time)."""
-        return await self._sync(self._vllm("broadcast").receive(), version, "broadcast receive")
+    async def receive_weights(self, strategy: str, payload, version: int) -> float:
+        """Load one sync's weights: `payload` is what the learner's sender returned (object_store: the packet,
+        cuda_ipc: its buffer's handle, broadcast: None, the buckets arrive meanwhile). Returns the seconds."""
+        return await self._sync(self._receivers[strategy].receive(self._backend, payload), version, f"{strategy} load")
 
     def weight_workers(self) -> int:
-        """Processes that hold a copy of the model (vLLM workers): each is one rank of the broadcast group."""
-        return self._vllm("broadcast").llm.vllm_config.parallel_config.world_size
+        """Processes that hold a copy of the model (vLLM's workers; hf: this one): each is one rank of the
+        broadcast group."""
+        return self._backend.llm.vllm_config.parallel_config.world_size if isinstance(self._backend, _VLLM) else 1
 
     def gpus(self) -> tuple[str, tuple[str, ...]]:
         """(node id, GPU ids) of this engine, for engine.weight_sync=auto."""
@@ -98,27 +93,14 @@ class Engine:
             self.version = version
         return time.perf_counter() - t0
 
-    def _vllm(self, mode: str) -> _VLLM:
-        if not isinstance(self._backend, _VLLM):
-            raise RuntimeError(f"{self.name}: engine.weight_sync={mode} needs engine.backend=vllm "
-                               f"(backend {self.cfg.backend!r}, started: {self._backend is not None})")
-        return self._backend
-
     async def abort(self, request_id: str) -> None:
         """Stop a request (its client went away); its generate() returns what was sampled so far."""
         if self._backend is not None:
             await self._backend.abort(request_id)
 
-    def load(self) -> int:
-        """Requests in flight, for least-loaded routing."""
-        return self.inflight
-
     def stats(self) -> dict[str, float]:
         return {"inflight": self.inflight, "tokens_out": self.tokens_out, "version": self.version,
                 "backend_unfinished": self._backend.unfinished() if self._backend is not None else 0}
-
-    def ready(self) -> bool:
-        return self._backend is not None
 
     async def shutdown(self) -> None:
         if self._backend is not None:
@@ -148,10 +130,8 @@ class _VLLM:
                                max_num_seqs=cfg.max_num_seqs, enable_prefix_caching=True,
                                gpu_memory_utilization=cfg.gpu_memory_utilization, max_logprobs=1,
                                # cuda_ipc / broadcast receive inside the worker process, by method name
-                               worker_extension_cls="rayrl.weight_sync.WorkerExtension")
+                               worker_extension_cls="rayrl.weight_sync.worker.WorkerExtension")
         self.llm = AsyncLLM.from_engine_args(args)
-        self._ipc_opened: str | None = None  # the learner buffer the workers hold open (cuda_ipc)
-        self.ipc_loads: list[str] = []  # how each worker loaded the last cuda_ipc sync (WorkerExtension.rayrl_ipc_load)
 
     async def generate(self, prompt_ids, s: Sampling, request_id):
         from vllm import SamplingParams
@@ -191,23 +171,6 @@ class _VLLM:
             await self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
         finally:
             os.remove(path)
-
-    async def load_ipc(self, h: weight_sync.IpcHandle) -> None:
-        # The handle and the layout cross once; later syncs send only the buffer's id.
-        first = self._ipc_opened != h.buffer_id
-        how = await self.llm.collective_rpc("rayrl_ipc_load", args=(h.buffer_id, h.blob if first else None,
-                                                                    h.slots if first else None, h.device_uuid))
-        self._ipc_opened = h.buffer_id
-        self.ipc_loads = how  # "load_weights" (first sync, or a layout without direct copies) or "direct_copies"
-        await self.llm.reset_prefix_cache()
-
-    async def join(self, host: str, port: int, rank_offset: int, world_size: int, backend: str) -> None:
-        await self.llm.collective_rpc("rayrl_join_group", args=(host, port, rank_offset, world_size, backend,
-                                                                self.eng.cfg.sync_timeout))
-
-    async def receive(self) -> None:
-        await self.llm.collective_rpc("rayrl_receive")
-        await self.llm.reset_prefix_cache()
 
     def shutdown(self) -> None:
         self.llm.shutdown()

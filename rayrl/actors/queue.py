@@ -1,6 +1,7 @@
 """TaskQueue: the task/result queue between the driver and the rollout workers (replaces Redis).
 
-`LeaseQueue` is the plain logic (tested without Ray); `TaskQueue` is the Ray async actor around it.
+`LeaseQueue` is the bookkeeping, `TaskQueue` the async class that parks callers on it (both plain, tested
+without Ray), `TaskQueueActor` its Ray actor.
 
 A worker *leases* tasks rather than popping them: a lease that is not acked before its deadline,
 or whose worker the driver reports dead (`release_worker`), goes back to the front of the queue.
@@ -62,14 +63,14 @@ class _PackedBatch(list):
 
 
 def _as_packed(task_ids: list[str], blobs: list[bytes]) -> list[Packed]:
-    return [Packed(t, b) for t, b in zip(task_ids, blobs)]
+    return [Packed(t, b) for t, b in zip(task_ids, blobs, strict=True)]
 
 
 class _Unpacked(list):
     """What the actor returns: a list whose Packed items arrive unpickled on the receiver's side."""
 
     def __init__(self, items: list, lease_ids: list[str] | None = None):
-        super().__init__(items if lease_ids is None else zip(lease_ids, items))
+        super().__init__(items if lease_ids is None else zip(lease_ids, items, strict=True))
         self._lease_ids = lease_ids
 
     def __reduce__(self):
@@ -81,7 +82,7 @@ class _Unpacked(list):
 
 def _unpack_wire(wire: list, lease_ids: list[str] | None) -> list:
     items = [pickle.loads(x) if type(x) is bytes else x for x in wire]
-    return items if lease_ids is None else list(zip(lease_ids, items))
+    return items if lease_ids is None else list(zip(lease_ids, items, strict=True))
 
 
 @dataclass(slots=True)
@@ -246,7 +247,8 @@ def _task_id(x: Any, op: str) -> str:
     try:
         return x.task_id
     except AttributeError:
-        raise TypeError(f"{op}: items need a task_id (a Task, a Trajectory or pack(...)), got {type(x).__name__}") from None
+        raise TypeError(f"{op}: items need a task_id (a Task, a Trajectory or pack(...)), "
+                        f"got {type(x).__name__}") from None
 
 
 class _Waiters:
@@ -292,9 +294,9 @@ def _time_out(fut: asyncio.Future) -> None:
         fut.set_result(_TIMED_OUT)
 
 
-class TaskQueueActor:
-    """Ray async actor over `LeaseQueue`: `lease` and `get_results` block up to `timeout` s without
-    blocking other callers; a background task expires leases every `expire_interval` s.
+class TaskQueue:
+    """Async front of `LeaseQueue` (run as `TaskQueueActor`): `lease` and `get_results` block up to `timeout` s
+    without blocking other callers; a background task expires leases every `expire_interval` s.
 
     Workers call `lease` / `ack` (or `ack_and_lease`, one round trip per task); the driver calls
     `put`, `get_results`, `release_worker` (when it sees a worker actor die) and `stats`.
@@ -406,4 +408,4 @@ def _leases_out(got: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
 
 
 # num_cpus=0: a control-plane actor must not take a CPU slot from the rollout workers.
-TaskQueue = ray.remote(num_cpus=0, max_concurrency=1000)(TaskQueueActor)
+TaskQueueActor = ray.remote(num_cpus=0, max_concurrency=1000)(TaskQueue)

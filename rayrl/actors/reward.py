@@ -3,7 +3,7 @@
 A scorer may hang (sympy on a pathological expression) or crash its interpreter; neither may stall
 rollouts or turn into a reward. Each score runs in a `pebble.ProcessPool` worker; a score that
 runs past `timeout` has its worker process killed (pebble restarts it), and the result says so.
-`RewardScorer` is the plain class (tested without Ray); `RewardActor` is its Ray actor.
+`Reward` is the plain class (tested without Ray); `RewardActor` is its Ray actor.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ def _pool_timeout(fut: Any) -> bool:
     return isinstance(e, TimeoutError) and e.args[:1] == ("Task timeout",)
 
 
-class RewardScorer:
+class Reward:
     """Scores RewardRequests with `reward.fn` = `spec`, `num_procs` processes, `timeout` s per score."""
 
     def __init__(self, spec: str, timeout: float, num_procs: int) -> None:
@@ -143,15 +143,12 @@ class RewardScorer:
     async def score(self, items: list[RewardRequest]) -> list[RewardResult]:
         """One result per request, in order; failures and timeouts are results with `error` set."""
         if self._closed:
-            raise RuntimeError("RewardScorer is closed")
+            raise RuntimeError("Reward is closed")
         return list(await asyncio.gather(*(self._score_one(r) for r in items)))
 
     def stats(self) -> dict[str, int]:
         """Counts since start: scored, errors (timeouts included), timeouts, in flight."""
         return {**self.counts, "inflight": self._inflight}
-
-    def ready(self) -> bool:
-        return not self._closed
 
     def close(self) -> None:
         """Stop the pool and its processes (running scores are killed)."""
@@ -163,4 +160,4 @@ class RewardScorer:
 
 
 # An async actor: many rollout workers' score calls interleave; the pool bounds the real parallelism.
-RewardActor = ray.remote(max_concurrency=256)(RewardScorer)
+RewardActor = ray.remote(max_concurrency=256)(Reward)

@@ -1,4 +1,4 @@
-"""RolloutWorker: leases tasks, runs many agent episodes at once (asyncio), emits Trajectories.
+"""Rollout: leases tasks, runs many agent episodes at once (asyncio), emits Trajectories.
 
 Each episode: lease -> open a Gateway session -> agent(ctx, config) with `ctx.llm` an AsyncOpenAI client
 bound to that session -> close the session (its record holds the exact token ids, logprobs and loss mask)
@@ -15,56 +15,42 @@ import traceback
 import httpx
 import ray
 
-from rayrl.actors.gateway import SessionRecord
 from rayrl.actors.sandbox import ActorSandbox
 from rayrl.agent import TaskContext, session_client
 from rayrl.config import Config, check_callable
-from rayrl.types import Task, Trajectory
+from rayrl.sandbox import SandboxPool
+from rayrl.types import SessionRecord, Task, Trajectory
 
 
-class RolloutWorker:
-    """Plain class; `RolloutActor` below is the Ray actor."""
+class Rollout:
+    """One rollout worker; `RolloutActor` below is its Ray actor."""
 
-    def __init__(self, worker_id: str, cfg: Config, model_path: str, queue, gateway, reward, sandboxes=()):
+    def __init__(self, worker_id: str, cfg: Config, queue, gateway, reward, sandboxes=()):
         self.worker_id, self.cfg, self.queue, self.gateway, self.reward = worker_id, cfg, queue, gateway, reward
-        self.sandboxes = [ActorSandbox(h) for h in sandboxes]  # shared SandboxActors; episodes take turns
+        # `ctx.sandbox`: the shared SandboxActors (episodes take turns), else a pool of this worker's own
+        self.sandboxes = [ActorSandbox(h) for h in sandboxes] or [SandboxPool(cfg.sandbox)]
         self.episodes = 0
         self.agent_fn = check_callable(cfg.rollout.agent, "rollout.agent")
         self._http, self._http_loop = None, None
-        self.running = False
-        self.done = 0
-        self.failed = 0
 
-    async def run(self) -> int:
-        """Lease and run episodes until `stop()`; returns the number of episodes finished."""
-        self.running = True
+    async def run(self) -> None:
+        """Lease and run episodes for as long as the actor lives (the driver sees it end only when it dies)."""
         slots = asyncio.Semaphore(self.cfg.rollout.concurrency)
         inflight: set[asyncio.Task] = set()
-        while self.running:
+        while True:
             free = self.cfg.rollout.concurrency - len(inflight)
             if free == 0:
                 await asyncio.wait(inflight, return_when=asyncio.FIRST_COMPLETED)
                 continue
             leases = await self.queue.lease.remote(self.worker_id, free, 1.0)  # blocks in the queue up to 1 s
-            for lease_id, task in leases:
+            for _, task in leases:
                 t = asyncio.create_task(self._episode(slots, task))
                 inflight.add(t)
                 t.add_done_callback(inflight.discard)
-        if inflight:
-            await asyncio.wait(inflight)
-        return self.done
-
-    def stop(self) -> None:
-        self.running = False
-
-    def stats(self) -> dict[str, int]:
-        return {"done": self.done, "failed": self.failed}
 
     async def _episode(self, slots: asyncio.Semaphore, task: Task) -> None:
         async with slots:
             traj = await self.run_task(task)
-        self.done += 1
-        self.failed += traj.error is not None
         await self.queue.ack.remote(self.worker_id, [traj])
 
     async def run_task(self, task: Task) -> Trajectory:
@@ -80,7 +66,7 @@ class RolloutWorker:
             return self._trajectory(task, SessionRecord("", task.task_id), t0=t0, error=f"gateway: {_describe(e)}")
         llm = session_client(base_url, key, self.cfg.gateway.model_name, self.cfg.gateway.request_timeout, self._client())
         self.episodes += 1
-        sandbox = self.sandboxes[self.episodes % len(self.sandboxes)] if self.sandboxes else None
+        sandbox = self.sandboxes[self.episodes % len(self.sandboxes)]
         ctx = TaskContext(task=task, llm=llm, run_config=self.cfg, session_id=sid, base_url=base_url, api_key=key,
                           sandbox=sandbox)
         out, error = None, None
@@ -178,4 +164,4 @@ class RayTransport(httpx.AsyncBaseTransport):
         pass
 
 
-RolloutActor = ray.remote(RolloutWorker)
+RolloutActor = ray.remote(Rollout)

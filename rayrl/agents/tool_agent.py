@@ -6,10 +6,9 @@
         max_turns: 8
         max_tool_response_length: 4096       # characters per tool result fed back (middle cut)
         tools:                               # default: the built-in code_interpreter alone
-          - builtin: code_interpreter        # runs on ctx.sandbox (or a process-wide SandboxPool from `sandbox`)
+          - builtin: code_interpreter        # runs on ctx.sandbox (the job's `sandbox` section: backend, limits)
           - schema: {type: function, function: {name: lookup, description: ..., parameters: {...}}}
             handler: my_pkg.tools:lookup     # async def lookup(ctx, args: dict) -> str
-        sandbox: {backend: local, timeout: 10}   # rayrl.actors.sandbox.SandboxConfig
 
 Each turn is one `ctx.llm.chat.completions.create(messages=..., tools=...)` (hermes tool calls). Tool calls come
 from `message.tool_calls`, or, when the server left them in the text, from `<tool_call>{json}</tool_call>` in
@@ -20,16 +19,15 @@ reward is None: the RewardActor scores the answer (`reward.fn: math_dapo` in the
 
 from __future__ import annotations
 
-import asyncio
 import json
-import re
 import time
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
-from rayrl.actors.sandbox import SandboxConfig, SandboxFull, SandboxPool
+from rayrl.chat import parse_tool_calls
+from rayrl.sandbox import SandboxFull
 
 CODE_INTERPRETER = {  # seed 001's tool_schema
     "type": "function",
@@ -52,8 +50,6 @@ SYSTEM_PROMPT = (
 )
 
 ToolHandler = Callable[[Any, dict], Awaitable[Any]]
-
-_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
 
 @dataclass
@@ -94,17 +90,11 @@ def load_tools(specs: list[dict] | None) -> dict[str, _Tool]:
     return tools
 
 
-# One pool per (sandbox config, event loop) in this process, for when the worker gives no ctx.sandbox.
-_POOLS: dict[tuple[str, int], SandboxPool] = {}
-
-
-def _sandbox(ctx: Any, config: dict) -> Any:
-    if getattr(ctx, "sandbox", None) is not None:
-        return ctx.sandbox
-    key = (json.dumps(config.get("sandbox") or {}, sort_keys=True), id(asyncio.get_running_loop()))
-    if key not in _POOLS:
-        _POOLS[key] = SandboxPool(SandboxConfig.from_dict(config.get("sandbox")))
-    return _POOLS[key]
+def _sandbox(ctx: Any) -> Any:
+    if ctx.sandbox is None:
+        raise RuntimeError("the code_interpreter tool needs ctx.sandbox (the rollout worker sets it: a SandboxPool "
+                           "or SandboxActor from the `sandbox` config section)")
+    return ctx.sandbox
 
 
 def truncate(text: str, limit: int, side: str = "middle") -> str:
@@ -125,16 +115,8 @@ def tool_calls_of(message: Any) -> tuple[list[tuple[str, str, str]], bool, str |
              for c in (message.tool_calls or [])]
     if calls:
         return calls, False, None
-    for raw in _TOOL_CALL.findall(message.content or ""):
-        try:
-            obj = json.loads(raw)
-            if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-                raise ValueError("a tool call must be a JSON object with a string 'name'")
-        except ValueError as e:  # JSONDecodeError is a ValueError
-            return calls, True, f"{type(e).__name__}: {e}"
-        args = obj.get("arguments", {})
-        calls.append((f"call_{uuid.uuid4().hex[:8]}", obj["name"], args if isinstance(args, str) else json.dumps(args)))
-    return calls, True, None
+    _, parsed, error = parse_tool_calls(message.content or "")  # the Gateway's parser, without vLLM's
+    return [(c["id"], c["function"]["name"], c["function"]["arguments"]) for c in parsed], True, error
 
 
 def format_result(r: Any) -> str:
@@ -225,7 +207,7 @@ async def _call_tool(ctx: Any, config: dict, tools: dict[str, _Tool], name: str,
             return "Error: code_interpreter needs a non-empty string argument 'code'"
         s0 = time.time()
         try:
-            result = await _sandbox(ctx, config).run(code, parsed.get("language", "python"), code_timeout)
+            result = await _sandbox(ctx).run(code, parsed.get("language", "python"), code_timeout)
         except SandboxFull as e:
             meta["sandbox_errors"] += 1
             return f"[sandbox: {e}]"

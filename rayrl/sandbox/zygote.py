@@ -1,9 +1,11 @@
 """The local sandbox's process side: namespace and mount set-up, and the zygote that forks one child per run.
 
-Stdlib only: `SandboxPool` starts this file as a script (`python -S -s sandbox_zygote.py FD`) with the run's
+Stdlib only: the local backend (local.py) starts this file as a script (`python -S -s zygote.py FD`) with the run's
 environment, stdin/stdout/stderr on /dev/null and no other fd than its end of a socketpair, so nothing of the
-pool's process (a Ray actor: its memory, fds, env, signal handlers) is inherited. rayrl/actors/sandbox.py also
-imports the namespace helpers for its per-run spawn path (the fallback).
+pool's process (a Ray actor: its memory, fds, env, signal handlers) is inherited. local.py also imports the
+namespace helpers for its per-run spawn path (the fallback) and its isolation probe. Run as a script, this file has
+its folder as sys.path[0]: no module of rayrl/sandbox/ may take a standard library name (types.py would shadow
+`types`).
 
 One zygote per pool slot:
   start   read its config from the socket, import the preload modules (numpy), then (as root) unshare the

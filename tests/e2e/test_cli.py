@@ -11,7 +11,8 @@ import pytest
 from tests.conftest import ROOT, tiny_overrides
 
 BAD = [
-    (["trainer.batch_size=6", "learner.mini_batch_size=4"], "trainer.batch_size (6) must be divisible by learner.mini_batch_size (4)"),
+    (["trainer.batch_size=6", "learner.mini_batch_size=4"],
+     "trainer.batch_size (6) must be divisible by learner.mini_batch_size (4)"),
     (["rollout.agent=nowhere.mod:agent"], "rollout.agent='nowhere.mod:agent'"),
     (["data.source=/no/such/file.parquet"], "data.source: file '/no/such/file.parquet' does not exist"),
     (["trainer.sizee=3"], "unknown config key trainer.sizee"),
@@ -24,6 +25,17 @@ def test_config_error_exits_2_with_one_line(overrides, message):
     assert p.returncode == 2
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("rayrl: config error:") and message in lines[0], p.stderr
+
+
+def test_rayrl_train_reports_a_config_error_before_importing_ray_torch_verl():
+    code = ("import sys\n"
+            "from rayrl.cli import main\n"
+            "rc = main(['train', 'jobs/quickstart.yaml', 'trainer.batch_size=6', 'learner.mini_batch_size=4'])\n"
+            "print(rc, sorted(m for m in ('ray', 'torch', 'verl', 'vllm') if m in sys.modules))\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert p.stdout.strip() == "2 []", p.stderr
+    assert p.stderr.strip() == ("rayrl: config error: trainer.batch_size (6) must be divisible by "
+                                "learner.mini_batch_size (4)")
 
 
 @pytest.mark.e2e
@@ -48,7 +60,9 @@ def test_default_job_code_path(tiny_model, tmp_path):
 
     m = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     shares = {k: v for k, v in m.items() if k.startswith("time/share_")}
-    assert set(shares) == {f"time/share_{k}" for k in ("generate", "tool", "reward", "rollout_idle", "learner", "sync", "other")}
-    assert sum(shares.values()) == pytest.approx(1.0) and shares["time/share_generate"] > 0 and shares["time/share_learner"] > 0
+    phases = ("generate", "tool", "reward", "rollout_idle", "learner", "sync", "other")
+    assert set(shares) == {f"time/share_{k}" for k in phases}
+    assert sum(shares.values()) == pytest.approx(1.0)
+    assert shares["time/share_generate"] > 0 and shares["time/share_learner"] > 0
     assert shares["time/share_reward"] > 0  # the RewardActor scored every answer
     assert m["learner/tokens_per_s"] > 0 and m["time/learner_s"] > 0

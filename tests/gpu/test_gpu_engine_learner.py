@@ -32,7 +32,7 @@ def test_engine_matches_learner_on_gpu(tiny_model):
         await engine.start()
         learner.train_step(TrainBatch(prompt_ids=[prompt], response_ids=[[11, 12, 13]], loss_mask=[[1, 1, 1]],
                                       advantages=[[1.0] * 3], global_tokens=3, global_seqs=1))
-        await engine.update_weights(learner.weights(1))
+        await engine.receive_weights("object_store", learner.send_weights("object_store", 1), 1)
         return await engine.generate(prompt, Sampling(max_tokens=12, temperature=0.0))
 
     try:

@@ -28,8 +28,9 @@ def _batch(response, adv=1.0):
 def _cfg(mode: str):
     from rayrl.config import load_config
 
-    return load_config(None, ["engine.gpus_per_engine=1", "learner.gpus_per_worker=1", "engine.gpu_memory_utilization=0.3",
-                              "learner.lr=1e-3", f"engine.weight_sync={mode}"], check_files=False)
+    return load_config(None, ["engine.gpus_per_engine=1", "learner.gpus_per_worker=1",
+                              "engine.gpu_memory_utilization=0.3", "learner.lr=1e-3", f"engine.weight_sync={mode}"],
+                       check_files=False)
 
 
 def test_cuda_ipc_sync_matches_learner(tiny_model):
@@ -49,18 +50,18 @@ def test_cuda_ipc_sync_matches_learner(tiny_model):
         out = [await engine.generate(PROMPT, greedy)]
         for version in (1, 2):
             learner.train_step(_batch([11, 12, 13]))
-            handle = learner.ipc_handle()
-            await engine.load_ipc(handle, version)
+            handle = learner.send_weights("cuda_ipc", version)
+            await engine.receive_weights("cuda_ipc", handle, version)
             gen = await engine.generate(PROMPT, greedy)
             # the learner's logprobs of the same tokens now, before its next step
             out.append((handle.buffer_id, gen, learner.compute_logprobs(_batch(gen.token_ids, 0.0))[0]))
-            loads.append(engine._backend.ipc_loads)
+            loads.append(engine._receivers["cuda_ipc"].loads)
         return out
 
     loads = []
     try:
         g0, (id1, g1, lp1), (id2, g2, lp2) = asyncio.run(go())
-        assert id1 == id2 == engine._backend._ipc_opened  # persistent buffer, opened once in the worker
+        assert id1 == id2 == engine._receivers["cuda_ipc"].opened  # persistent buffer, opened once in the worker
         # the first sync runs vLLM's load_weights and checks its direct copies; the second replays them
         assert loads == [["load_weights"], ["direct_copies"]], loads
         for version, before, gen, lp in ((1, g0, g1, lp1), (2, g1, g2, lp2)):
@@ -79,11 +80,12 @@ def test_auto_picks_broadcast_on_two_gpus_and_matches(tiny_model, ray_cluster):
 
     from rayrl import weight_sync
     from rayrl.actors.engine import EngineActor, Sampling
-    from rayrl.actors.learner import LearnerWorker
+    from rayrl.actors.learner import LearnerActor
 
     cfg = _cfg("auto")
-    engine = EngineActor.options(num_gpus=1, max_concurrency=100).remote(tiny_model, cfg.engine, "float32", 0, "engine/0")
-    learner = LearnerWorker.options(num_gpus=1).remote(tiny_model, cfg, 0, 1)
+    engine = EngineActor.options(num_gpus=1, max_concurrency=100).remote(tiny_model, cfg.engine, "float32", 0,
+                                                                         "engine/0")
+    learner = LearnerActor.options(num_gpus=1).remote(tiny_model, cfg, 0, 1)
     greedy = Sampling(max_tokens=12, temperature=0.0)
     try:
         ray.get([engine.start.remote(), learner.setup.remote()], timeout=600)

@@ -18,7 +18,7 @@ import ray
 from rayrl.actors.engine import EngineActor, Sampling
 from rayrl.actors.gateway import GatewayActor
 from rayrl.actors.reward import RewardActor
-from rayrl.actors.rollout import RolloutWorker
+from rayrl.actors.rollout import Rollout
 from rayrl.agent import session_client
 from rayrl.config import load_config
 from rayrl.types import Task
@@ -35,7 +35,8 @@ def gw(tiny_model, ray_cluster):
     cfg = load_config(None, tiny_overrides(tiny_model, "/tmp/unused", **{
         "engine.max_model_len": MAX_LEN, "rollout.max_response_length": 256, "data.max_prompt_length": 200,
         "rollout.agent": "tests.gateway_agents:tool_agent"}))
-    engine = EngineActor.options(num_cpus=1, max_concurrency=1000).remote(tiny_model, cfg.engine, "float32", 0, "engine/0")
+    engine = EngineActor.options(num_cpus=1, max_concurrency=1000).remote(tiny_model, cfg.engine, "float32", 0,
+                                                                          "engine/0")
     ray.get(engine.start.remote(), timeout=300)
     gateway = GatewayActor.options(num_cpus=0, max_concurrency=1000).remote(cfg, tiny_model, [engine])
     url = ray.get(gateway.start.remote(), timeout=120)
@@ -56,7 +57,8 @@ def _close(gateway, sid):
 
 def _task(text="What is 12 + 35?", tid="s0/p0/0") -> Task:
     return Task(task_id=tid, group_id=tid.rsplit("/", 1)[0], step=0, data_source="test", ground_truth="47",
-                messages=[{"role": "system", "content": "Solve the arithmetic problem."}, {"role": "user", "content": text}])
+                messages=[{"role": "system", "content": "Solve the arithmetic problem."},
+                          {"role": "user", "content": text}])
 
 
 def _segments(mask: list[int]) -> list[tuple[int, int, int]]:
@@ -93,7 +95,7 @@ def test_three_turns_with_tool_calls_are_token_exact(gw, tiny_model):
 
     cfg, engine, gateway, _ = gw
     tok = AutoTokenizer.from_pretrained(tiny_model)
-    worker = RolloutWorker("test/0", cfg, tiny_model, None, gateway, None)
+    worker = Rollout("test/0", cfg, None, gateway, None)
     task = _task()
     traj = asyncio.run(worker.run_task(task))
     assert traj.error is None, traj.error
@@ -108,21 +110,22 @@ def test_three_turns_with_tool_calls_are_token_exact(gw, tiny_model):
     assert [v for _, _, v in segs] == [1, 0, 1, 0, 1]
     assert len(traj.response_ids) == len(traj.loss_mask) == len(traj.logprobs)
     model_segs = [(a, b) for a, b, v in segs if v == 1]
-    for (a, b), s in zip(model_segs, seen):
+    for (a, b), s in zip(model_segs, seen, strict=True):
         assert b - a == s["completion_tokens"]
         assert traj.logprobs[a:b] == s["logprobs"]  # bit-exact: the engine's floats, through JSON and back
         assert tok.decode(traj.response_ids[a:b], skip_special_tokens=True) == s["content"]
-    for k, (a, b, v) in enumerate(s for s in segs if s[2] == 0):
+    for k, (a, b, _) in enumerate(s for s in segs if s[2] == 0):
         assert all(lp == 0.0 for lp in traj.logprobs[a:b])
         env = tok.decode(traj.response_ids[a:b], skip_special_tokens=False)
         ended = traj.response_ids[a - 1] == tok.eos_token_id
-        assert env == ("" if ended else tok.eos_token) + f"\n<|im_start|>tool\n{k + 1}<|im_end|>\n<|im_start|>assistant\n"
+        tool = f"\n<|im_start|>tool\n{k + 1}<|im_end|>\n<|im_start|>assistant\n"
+        assert env == ("" if ended else tok.eos_token) + tool
     # the engine itself, asked greedily for each turn on the exact same prefix, gives the same tokens
     for a, b in model_segs:
-        g = ray.get(engine.generate.remote(traj.prompt_ids + traj.response_ids[:a], Sampling(max_tokens=b - a,
-                                                                                             temperature=0.0)), timeout=60)
+        greedy = Sampling(max_tokens=b - a, temperature=0.0)
+        g = ray.get(engine.generate.remote(traj.prompt_ids + traj.response_ids[:a], greedy), timeout=60)
         assert g.token_ids == traj.response_ids[a:b]
-        assert max(abs(x - y) for x, y in zip(g.logprobs, traj.logprobs[a:b])) < 1e-4
+        assert max(abs(x - y) for x, y in zip(g.logprobs, traj.logprobs[a:b], strict=True)) < 1e-4
 
 
 def test_binding_by_key_and_by_prefix(gw):
@@ -146,7 +149,10 @@ def test_binding_by_key_and_by_prefix(gw):
     assert [v for _, _, v in _segments(rec2.loss_mask)] == [1, 0, 1]
 
 
-def test_stream_and_completions(gw):
+def test_stream_and_completions(gw, tiny_model):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model)
     _cfg, _, gateway, _url = gw
     sid, key, base = _open(gateway, "stream")
     client = openai.OpenAI(base_url=base, api_key=key, max_retries=0)
@@ -157,13 +163,14 @@ def test_stream_and_completions(gw):
     usage = [c.usage for c in chunks if c.usage]
     rec = _close(gateway, sid)
     assert rec.num_turns == 1 and finish and usage[0].completion_tokens == len(rec.response_ids)
+    assert text == tok.decode(rec.response_ids, skip_special_tokens=True)  # the chunks join to the recorded reply
 
     sid, key, base = _open(gateway, "cmpl")
     c = openai.OpenAI(base_url=base, api_key=key, max_retries=0).completions.create(model="policy", prompt="1 + 2 =",
                                                                                      max_tokens=4)
     rec = _close(gateway, sid)
     assert rec.num_turns == 1 and c.usage.completion_tokens == len(rec.response_ids)
-    assert text is not None
+    assert c.choices[0].text == tok.decode(rec.response_ids, skip_special_tokens=True)
 
 
 BAD = [
@@ -175,14 +182,16 @@ BAD = [
      "context_length_exceeded"),
     ("max_tokens past the context", {"model": "policy", "messages": [{"role": "user", "content": "x"}],
                                      "max_tokens": MAX_LEN}, 400, "context_length_exceeded"),
-    ("n over the limit", {"model": "policy", "messages": [{"role": "user", "content": "x"}], "n": 64}, 400, "invalid_n"),
+    ("n over the limit", {"model": "policy", "messages": [{"role": "user", "content": "x"}], "n": 64}, 400,
+     "invalid_n"),
 ]
 
 
 @pytest.mark.parametrize("what,body,status,code", BAD, ids=[b[0] for b in BAD])
 def test_bad_input_gets_openai_errors(gw, what, body, status, code):
     _, _, _, url = gw
-    kw = {"content": body, "headers": {"content-type": "application/json"}} if isinstance(body, bytes) else {"json": body}
+    raw = {"content": body, "headers": {"content-type": "application/json"}}
+    kw = raw if isinstance(body, bytes) else {"json": body}
     r = httpx.post(f"{url}/v1/chat/completions", timeout=60, **kw)
     assert r.status_code == status, r.text
     err = r.json()["error"]
@@ -272,7 +281,7 @@ def test_external_agent_service(gw, tiny_model):
             "engine.max_model_len": MAX_LEN, "rollout.agent": "examples.external_agent.agent:agent",
             "rollout.agent_config": json.dumps({"service_url": f"http://127.0.0.1:{port}"}),
             "rollout.max_response_length": 256, "data.max_prompt_length": 200}))
-        worker = RolloutWorker("test/ext", ecfg, tiny_model, None, gateway, reward)
+        worker = Rollout("test/ext", ecfg, None, gateway, reward)
 
         async def both():
             return await asyncio.gather(worker.run_task(_task("What is 3 + 4?", "s0/p1/0")),
@@ -323,7 +332,7 @@ def test_task_sampling_sets_the_session_defaults(gw, tiny_model):
 
     cfg, _, gateway, _ = gw
     cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, agent="tests.gateway_agents:plain_agent"))
-    worker = RolloutWorker("test/0", cfg, tiny_model, None, gateway, None)
+    worker = Rollout("test/0", cfg, None, gateway, None)
 
     def runs(sampling):
         out = []

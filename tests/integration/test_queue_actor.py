@@ -1,4 +1,4 @@
-"""TaskQueue actor on a real local Ray: blocking lease/get, timeouts, a killed worker, lease expiry."""
+"""TaskQueueActor on a real local Ray: blocking lease/get, timeouts, a killed worker, lease expiry."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import ray
 from ray import cloudpickle
 
-from rayrl.actors.queue import TaskQueue, pack
+from rayrl.actors.queue import TaskQueueActor, pack
 from rayrl.types import Task, Trajectory
 
 pytestmark = pytest.mark.integration
@@ -58,7 +58,7 @@ class Worker:
 
 
 def test_blocking_lease_returns_when_a_put_arrives() -> None:
-    q = TaskQueue.remote()
+    q = TaskQueueActor.remote()
     ref = q.lease.remote("w1", 1, 20.0)
     time.sleep(0.5)
     assert ray.wait([ref], timeout=0)[0] == []  # still parked
@@ -76,7 +76,7 @@ def test_blocking_lease_returns_when_a_put_arrives() -> None:
 
 
 def test_timeouts_return_empty_after_about_the_timeout() -> None:
-    q = TaskQueue.remote()
+    q = TaskQueueActor.remote()
     ray.get(q.stats.remote(), timeout=30)  # actor up
     t0 = time.monotonic()
     assert ray.get(q.lease.remote("w1", 8, 0.5), timeout=10) == []
@@ -95,7 +95,7 @@ def test_timeouts_return_empty_after_about_the_timeout() -> None:
 
 
 def test_killed_worker_leases_are_released_and_finished_once_by_another() -> None:
-    q = TaskQueue.remote()
+    q = TaskQueueActor.remote()
     tasks = [task(i) for i in range(20)]
     assert ray.get(q.put.remote(pack(tasks)), timeout=30) == 20
     doomed = Worker.remote(q, "doomed")
@@ -118,7 +118,7 @@ def test_killed_worker_leases_are_released_and_finished_once_by_another() -> Non
 
 
 def test_parked_lease_of_a_released_worker_takes_nothing() -> None:
-    q = TaskQueue.remote()
+    q = TaskQueueActor.remote()
     ray.get(q.stats.remote(), timeout=30)  # actor up, so the lease below is parked before the release
     ref = q.lease.remote("gone", 1, 20.0)
     time.sleep(0.3)
@@ -130,7 +130,7 @@ def test_parked_lease_of_a_released_worker_takes_nothing() -> None:
 
 
 def test_lease_expires_in_the_actor() -> None:
-    q = TaskQueue.remote(lease_timeout=0.5, expire_interval=0.1)
+    q = TaskQueueActor.remote(lease_timeout=0.5, expire_interval=0.1)
     ray.get(q.put.remote([task(0)]), timeout=30)
     (_, t), = ray.get(q.lease.remote("slow", 1))
     # A second worker parks; the background expiry re-queues the lease and wakes it.

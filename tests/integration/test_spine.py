@@ -36,6 +36,7 @@ def test_train_steps_then_resume(tiny_model, ray_cluster, tmp_path):
     m = _metrics(out)
     assert [r["step"] for r in m] == [1, 2]
     assert all(r["trajectories/total"] == 16 for r in m)
+    assert all(r["actor/entropy"] > 0 for r in m if "actor/loss" in r)  # logged every update (entropy_coeff 0)
     assert m[-1]["policy/version"] == 2
 
     before = load_file(os.path.join(tiny_model, "model.safetensors"))
@@ -113,7 +114,7 @@ def test_killed_rollout_worker_loses_no_task(tiny_model, ray_cluster):
         while ray.get(actors.queue.stats.remote())["leased"] < 8 and time.monotonic() < deadline:
             time.sleep(0.2)
         ray.kill(actors.workers[0], no_restart=True)  # both workers hold 4 leases each, mid-episode
-        trajs = collect(cfg, actors, tiny_model, feeder.expected[0], 0, {})
+        trajs = collect(cfg, actors, feeder.expected[0], 0, {})
         ids = [t.task_id for t in trajs]
         assert sorted(ids) == sorted(feeder.expected[0]) and len(ids) == len(set(ids)) == 16
         assert all(t.error is None for t in trajs), [t.error for t in trajs if t.error]
@@ -135,7 +136,7 @@ def test_failed_agent_is_recorded_and_run_goes_on(tiny_model, ray_cluster, tmp_p
         data = DataIterator(load_rows(cfg.data.source, 50, 0, cfg.data.gym_kwargs, None), cfg.trainer.batch_size, 0)
         feeder = Feeder(cfg, actors.queue, data, start=0)
         feeder.fill(until=0, version=0)
-        trajs = collect(cfg, actors, tiny_model, feeder.expected[0], 0, {})
+        trajs = collect(cfg, actors, feeder.expected[0], 0, {})
         failed = [t for t in trajs if t.error]
         assert len(failed) == 4 and all(t.error == "RuntimeError: tool crashed" for t in failed)
         assert all(t.reward is not None for t in trajs if not t.error)
@@ -145,7 +146,7 @@ def test_failed_agent_is_recorded_and_run_goes_on(tiny_model, ray_cluster, tmp_p
 
 def test_two_fsdp_ranks_equal_one(tiny_model, ray_cluster):
     """The same mini-batch through 2 FSDP ranks (gloo) and through 1 rank gives the same updated weights."""
-    from rayrl.actors.learner import LearnerWorker
+    from rayrl.actors.learner import LearnerActor
     from rayrl.batching import shard
     from rayrl.types import Trajectory
 
@@ -158,11 +159,12 @@ def test_two_fsdp_ranks_equal_one(tiny_model, ray_cluster):
     advs = [[1.0] * 3, [-1.0] * 4, [0.5] * 5, [-0.5] * 3, [1.0] * 4, [-1.0] * 5]
 
     def run(world: int) -> dict:
-        workers = [LearnerWorker.options(num_cpus=1).remote(tiny_model, cfg, r, world) for r in range(world)]
+        workers = [LearnerActor.options(num_cpus=1).remote(tiny_model, cfg, r, world) for r in range(world)]
         addr, port = ray.get(workers[0].address.remote(), timeout=60)
         ray.get([w.setup.remote(addr, port) for w in workers], timeout=300)
         stats = ray.get([w.train_step.remote(s) for w, s in zip(workers, shard(groups, advs, world))], timeout=300)
-        packet = ray.get([w.weights.remote(1) for w in workers], timeout=300)[0]
+        packet = ray.get([w.send_weights.remote("object_store", 1, r == 0) for r, w in enumerate(workers)],
+                         timeout=300)[0]
         ray.get([w.shutdown.remote() for w in workers], timeout=60)
         for w in workers:
             ray.kill(w)

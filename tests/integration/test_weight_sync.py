@@ -1,4 +1,4 @@
-"""Weight sync strategies (rayrl/weight_sync.py): the flat-buffer layout, choosing a strategy, and the broadcast
+"""Weight sync strategies (rayrl/weight_sync/): the flat-buffer layout, choosing a strategy, and the broadcast
 strategy end to end over gloo with a real Ray, a real CPU vLLM engine and an FSDP learner."""
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ import ray
 import torch
 
 from rayrl import weight_sync
-from rayrl.weight_sync import bucket_nbytes, plan, views
+from rayrl.weight_sync import cuda_ipc, layout
+from rayrl.weight_sync.layout import bucket_nbytes, plan, views
 
 pytestmark = pytest.mark.integration
 
@@ -35,13 +36,13 @@ def test_layout_views_reconstruct_every_tensor(bucket_bytes):
     assert [s.name for b in buckets for s in b] == list(ts)  # order kept: senders and receivers walk the same list
     for b in buckets:
         buf = torch.zeros(bucket_nbytes(b), dtype=torch.uint8)
-        weight_sync.fill(views(buf, b), iter((s.name, ts[s.name]) for s in b))
+        layout.fill(views(buf, b), iter((s.name, ts[s.name]) for s in b))
         for name, v in views(buf, b):  # fresh views of the same bytes, as the receiving side builds them
             assert v.dtype == ts[name].dtype and v.shape == ts[name].shape
             assert torch.equal(v, ts[name]), name
         offsets = [(s.offset, s.offset + s.nbytes) for s in b]
-        assert all(o % weight_sync.ALIGN == 0 for o, _ in offsets)
-        assert all(end <= nxt for (_, end), (nxt, _) in zip(offsets, offsets[1:]))  # no overlap
+        assert all(o % layout.ALIGN == 0 for o, _ in offsets)
+        assert all(end <= nxt for (_, end), (nxt, _) in zip(offsets, offsets[1:], strict=False))  # no overlap
         if bucket_bytes is not None:
             # a bucket respects the size unless one tensor alone is larger than it
             assert bucket_nbytes(b) <= bucket_bytes or len(b) == 1, [s.name for s in b]
@@ -55,7 +56,7 @@ def test_layout_rejects_out_of_order_tensors():
     (b,) = plan([("a", (2,), "float32"), ("b", (2,), "float32")])
     buf = torch.zeros(bucket_nbytes(b), dtype=torch.uint8)
     with pytest.raises(RuntimeError, match="expected 'a'"):
-        weight_sync.fill(views(buf, b), iter([("b", torch.zeros(2)), ("a", torch.zeros(2))]))
+        layout.fill(views(buf, b), iter([("b", torch.zeros(2)), ("a", torch.zeros(2))]))
 
 
 def test_auto_picks_by_placement():
@@ -69,7 +70,7 @@ def test_auto_picks_by_placement():
     # colocated on several GPUs: engine i on learner rank i's GPU -> each engine loads from its own rank
     assert weight_sync.resolve("auto", "vllm", [g0, g1], [g0, g1]) == "cuda_ipc"
     assert weight_sync.resolve("auto", "vllm", [g0, g1], [g1, g0]) == "broadcast"  # crossed: no shared GPU
-    assert [weight_sync.serving_rank(i, 2) for i in range(4)] == [0, 1, 0, 1]
+    assert [cuda_ipc.serving_rank(i, 2) for i in range(4)] == [0, 1, 0, 1]
 
 
 def test_config_rejects_unknown_mode_and_hf_with_broadcast():
@@ -110,7 +111,7 @@ def test_broadcast_sync_engine_matches_learner(tiny_model, ray_cluster, ranks):
     from before the step. A second step + sync reuses the group and its cached layout. With 2 FSDP ranks, both
     gather each full tensor and rank 0 sends."""
     from rayrl.actors.engine import EngineActor, Sampling
-    from rayrl.actors.learner import LearnerWorker
+    from rayrl.actors.learner import LearnerActor
     from rayrl.config import load_config
     from rayrl.types import TrainBatch
     from tests.conftest import tiny_overrides
@@ -119,7 +120,7 @@ def test_broadcast_sync_engine_matches_learner(tiny_model, ray_cluster, ranks):
         "engine.weight_sync": "broadcast", "engine.sync_bucket_mb": 1, "engine.sync_timeout": 120}))
     engine = EngineActor.options(num_cpus=1, max_concurrency=100).remote(tiny_model, cfg.engine, cfg.model.dtype, 0,
                                                                           "engine/0")
-    learners = [LearnerWorker.options(num_cpus=1).remote(tiny_model, cfg, r, ranks) for r in range(ranks)]
+    learners = [LearnerActor.options(num_cpus=1).remote(tiny_model, cfg, r, ranks) for r in range(ranks)]
     prompt = [5, 17, 33, 2, 90, 41, 7]
     greedy = Sampling(max_tokens=12, temperature=0.0)
     try:
@@ -143,9 +144,9 @@ def test_broadcast_sync_engine_matches_learner(tiny_model, ray_cluster, ranks):
             assert g1.logprobs != g0.logprobs  # the update reached the engine
             g0 = g1
         # a failure inside the engine worker comes back as one line naming the engine (cuda_ipc cannot open here)
-        bogus = weight_sync.IpcHandle("x", b"not a handle", [], "no-gpu")
+        bogus = cuda_ipc.IpcHandle("x", b"not a handle", [], "no-gpu")
         with pytest.raises(RuntimeError, match=r"^weight sync \(cuda_ipc\) failed on engine/0: "):
-            weight_sync.wait({"engine/0": engine.load_ipc.remote(bogus, 3)}, 60, "cuda_ipc")
+            weight_sync.wait({"engine/0": engine.receive_weights.remote("cuda_ipc", bogus, 3)}, 60, "cuda_ipc")
     finally:
         ray.get([engine.shutdown.remote()] + [ln.shutdown.remote() for ln in learners], timeout=60)
         for a in [engine, *learners]:
@@ -156,13 +157,13 @@ def test_copy_all_matches_fill_and_checks_names():
     ts = _tensors()
     (b,) = plan([(k, tuple(v.shape), "bfloat16" if v.is_floating_point() else "int64") for k, v in ts.items()])
     one, two = (torch.zeros(bucket_nbytes(b), dtype=torch.uint8) for _ in range(2))
-    weight_sync.fill(views(one, b), iter(ts.items()))
-    weight_sync.copy_all(views(two, b), list(ts.items()))  # casting fp32/fp16 -> bf16 in the same fused copy
+    layout.fill(views(one, b), iter(ts.items()))
+    layout.copy_all(views(two, b), list(ts.items()))  # casting fp32/fp16 -> bf16 in the same fused copy
     assert torch.equal(one, two)
     with pytest.raises(RuntimeError, match="expected 'embed', the model gave 'norm'"):
-        weight_sync.copy_all(views(two, b), list(ts.items())[1:])
+        layout.copy_all(views(two, b), list(ts.items())[1:])
     with pytest.raises(RuntimeError, match="expected 'ids', the model gave None"):  # a tensor missing at the end
-        weight_sync.copy_all(views(two, b), list(ts.items())[:-1])
+        layout.copy_all(views(two, b), list(ts.items())[:-1])
 
 
 class _FusedModel(torch.nn.Module):
@@ -204,15 +205,15 @@ def test_direct_copies_replay_load_weights():
     first = _checkpoint(0)
     _load_weights(model, first)
     buf = [(k, v.clone()) for k, v in first]  # the engine's persistent views of the learner's buffer
-    copies = weight_sync.direct_copies(model, buf)
+    copies = cuda_ipc.direct_copies(model, buf)
     assert copies is not None and len(copies[0]) == len(first)
     second = _checkpoint(1)
-    for (_, view), (_, new) in zip(buf, second):  # the learner writes the next weights into the same buffer
+    for (_, view), (_, new) in zip(buf, second, strict=True):  # the learner writes the next weights into its buffer
         view.copy_(new)
     torch._foreach_copy_(*copies)
     expected = _FusedModel()
     _load_weights(expected, second)
-    for (name, p), (_, q) in zip(model.named_parameters(), expected.named_parameters()):
+    for (name, p), (_, q) in zip(model.named_parameters(), expected.named_parameters(), strict=True):
         assert torch.equal(p, q), name
 
 
@@ -222,12 +223,12 @@ def test_direct_copies_refuses_what_is_not_a_plain_copy():
     _load_weights(model, ckpt)
     with torch.no_grad():
         model.norm.mul_(2)  # a load that transforms a weight (e.g. repacking)
-    assert weight_sync.direct_copies(model, ckpt) is None
+    assert cuda_ipc.direct_copies(model, ckpt) is None
     _load_weights(model, ckpt)
-    assert weight_sync.direct_copies(model, ckpt + [("lm_head.weight", torch.zeros(3, 4))]) is None  # unused source
+    assert cuda_ipc.direct_copies(model, ckpt + [("lm_head.weight", torch.zeros(3, 4))]) is None  # unused source
     half = [(k, v[: v.shape[0] // 2]) if k.startswith("q_proj") else (k, v) for k, v in ckpt]  # a TP shard's shapes
-    assert weight_sync.direct_copies(model, half) is None
-    assert weight_sync.direct_copies(model, [kv for kv in ckpt if kv[0] != "up_proj.weight"]) is None  # missing
+    assert cuda_ipc.direct_copies(model, half) is None
+    assert cuda_ipc.direct_copies(model, [kv for kv in ckpt if kv[0] != "up_proj.weight"]) is None  # missing
     with torch.no_grad():
         model.embed[7] = 1.0  # padding rows that load_weights did not zero: not a plain prefix copy
-    assert weight_sync.direct_copies(model, ckpt) is None
+    assert cuda_ipc.direct_copies(model, ckpt) is None

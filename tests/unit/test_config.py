@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -96,6 +98,23 @@ def test_missing_job_file() -> None:
         load_config("/nonexistent/job.yaml")
 
 
+def test_loading_and_validating_import_no_ray_torch_verl() -> None:
+    """What makes `rayrl train BAD.yaml` answer in well under a second: a bad config and the default one are loaded
+    and validated (agent, reward and gym checks included) in a fresh interpreter that never imports them."""
+    code = ("import sys\n"
+            "from rayrl.config import ConfigError, load_config\n"
+            "try:\n"
+            "    load_config(None, ['trainer.batch_size=6', 'learner.mini_batch_size=4'])\n"
+            "except ConfigError as e:\n"
+            "    print(e)\n"
+            "load_config()\n"
+            "print(sorted(m for m in ('ray', 'torch', 'verl', 'vllm') if m in sys.modules))\n")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                       cwd=Path(__file__).resolve().parents[2])
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.splitlines() == ["trainer.batch_size (6) must be divisible by learner.mini_batch_size (4)", "[]"]
+
+
 def test_check_cluster_too_many_gpus(agent: str) -> None:
     cfg = load_config(None, [agent, "engine.num_engines=2", "engine.gpus_per_engine=1", "learner.num_workers=2",
                              "learner.gpus_per_worker=1"])
@@ -162,5 +181,10 @@ def test_e2b_sandbox_without_its_package(monkeypatch) -> None:
     import sys
 
     monkeypatch.setitem(sys.modules, "e2b_code_interpreter", None)  # what an environment without it looks like
-    with pytest.raises(ConfigError, match=r"rollout.agent_config.sandbox.backend='e2b' needs the e2b-code-interpreter"):
+    with pytest.raises(ConfigError, match=r"sandbox.backend='e2b' needs the e2b-code-interpreter"):
+        load_config(None, ["sandbox.backend=e2b"])
+
+
+def test_the_agents_old_sandbox_section_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"rollout.agent_config.sandbox is no longer read: move it to the top-level"):
         load_config(None, ["rollout.agent_config={sandbox: {backend: e2b}}"])

@@ -8,7 +8,7 @@ import torch
 
 from rayrl.actors.engine import Engine, Sampling
 from rayrl.config import EngineConfig
-from rayrl.weights import pack
+from rayrl.weight_sync.object_store import pack
 
 
 def test_hf_backend_generates_and_reloads(tiny_model):
@@ -24,7 +24,7 @@ def test_hf_backend_generates_and_reloads(tiny_model):
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(torch.randn_like(p) * 0.05)
-        await engine.update_weights(pack(model.state_dict(), 1))
+        await engine.receive_weights("object_store", pack(model.state_dict(), 1), 1)
         after = await engine.generate(prompt, Sampling(max_tokens=6, temperature=0.0))
         await engine.shutdown()
         return model, before, after

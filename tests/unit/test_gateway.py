@@ -1,19 +1,16 @@
-"""Gateway logic without Ray or an engine: tool-call parsing, session binding, prompt building, recording, limits."""
+"""Gateway logic without Ray or an engine: session binding, prompt building, recording, limits, responses."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from rayrl.actors.gateway import ApiError, Gateway, SessionRecord, extends, normalize_messages, parse_tool_calls
+from rayrl.actors.gateway import Gateway
+from rayrl.chat import ApiError, normalize_messages
 from rayrl.config import load_config
-from rayrl.types import Generation
+from rayrl.types import Generation, SessionRecord
 from tests.conftest import tiny_overrides
 
 ONE = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
-TWO = ('Let me add.\n<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>\n'
-       '<tool_call>\n{"name": "mul", "arguments": {"x": "3"}}\n</tool_call>')
 
 
 @pytest.fixture(scope="module")
@@ -21,52 +18,6 @@ def tok(tiny_model):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(tiny_model)
-
-
-@pytest.mark.parametrize("use_vllm", [True, False], ids=["vllm-hermes", "fallback"])
-def test_hermes_tool_calls_parse(tok, use_vllm):
-    t = tok if use_vllm else None
-    content, calls, err = parse_tool_calls(ONE, t)
-    assert err is None and content is None and len(calls) == 1
-    assert calls[0]["type"] == "function" and calls[0]["id"].startswith("call_")
-    assert calls[0]["function"]["name"] == "add" and json.loads(calls[0]["function"]["arguments"]) == {"a": 1, "b": 2}
-
-    content, calls, err = parse_tool_calls(TWO, t)
-    assert err is None and content == "Let me add.\n"
-    assert [c["function"]["name"] for c in calls] == ["add", "mul"]
-    assert json.loads(calls[1]["function"]["arguments"]) == {"x": "3"}
-
-    assert parse_tool_calls("no tools here", t) == ("no tools here", [], None)
-    # an unclosed tag at the end of the output (cut at max_tokens after a complete JSON) still parses, like vLLM
-    _, calls, err = parse_tool_calls('<tool_call>\n{"name": "add", "arguments": {}}', t)
-    assert err is None and calls[0]["function"]["name"] == "add"
-
-
-@pytest.mark.parametrize("text", ['<tool_call>\n{"name": "add", "arguments": {"a": 1}\n</tool_call>',  # bad JSON
-                                  '<tool_call>\n["add"]\n</tool_call>',  # not an object
-                                  'ok <tool_call>{"arguments": {}}</tool_call>'])  # no name
-def test_malformed_tool_call_is_content_plus_error(tok, text):
-    for t in (tok, None):
-        content, calls, err = parse_tool_calls(text, t)
-        assert content == text and calls == [] and err and err.startswith("tool call 0")
-
-
-def test_normalize_and_extends():
-    msgs = normalize_messages([
-        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
-        {"role": "assistant", "content": None,
-         "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"x": 1}'}}]},
-        {"role": "tool", "tool_call_id": "c1", "content": "2"}])
-    assert msgs[0]["content"] == "ab" and msgs[1]["content"] == ""
-    assert msgs[1]["tool_calls"][0]["function"]["arguments"] == {"x": 1}  # templates want a dict
-    assert extends(msgs[:2], msgs) and not extends(msgs, msgs) and not extends(msgs[1:], msgs)
-    other = [dict(msgs[0], content="changed")] + msgs[1:]
-    assert not extends(msgs[:2], other)
-    reply = [msgs[0], {"role": "assistant", "content": "something else"}]
-    assert extends(reply, msgs) and not extends(reply, msgs, loose_assistant=False)
-    with pytest.raises(ApiError) as e:
-        normalize_messages([{"content": "no role"}])
-    assert e.value.status == 400
 
 
 def test_record_is_one_sequence_and_refuses_rewrites():
@@ -82,7 +33,8 @@ def test_record_is_one_sequence_and_refuses_rewrites():
 
 @pytest.fixture()
 def gw(tiny_model):
-    cfg = load_config(None, tiny_overrides(tiny_model, "/tmp/unused", **{"engine.max_model_len": 64, "data.max_prompt_length": 40, "rollout.max_response_length": 24}))
+    cfg = load_config(None, tiny_overrides(tiny_model, "/tmp/unused", **{
+        "engine.max_model_len": 64, "data.max_prompt_length": 40, "rollout.max_response_length": 24}))
     return Gateway(cfg, tiny_model, engines=[])
 
 
@@ -91,16 +43,17 @@ def test_binding_order_path_key_prefix(gw):
     b, key_b, _ = gw.open_session("b", match="What is 2 + 2?")
     assert url_a.endswith(f"/sessions/{a}/v1")
     msgs = normalize_messages([{"role": "user", "content": "Q: What is 2 + 2?"}])
-    assert gw.bind(a, key_b, msgs) is gw.sessions[a]  # path first
-    assert gw.bind(None, key_b, []) is gw.sessions[b]  # then key
-    assert gw.bind(None, "sk-fixed", msgs) is gw.sessions[b]  # then the task text
-    assert gw.bind(None, "sk-fixed", normalize_messages([{"role": "user", "content": "hello"}])) is None
+    ss = gw.sessions
+    assert ss.bind(a, key_b, msgs) is ss.by_id[a]  # path first
+    assert ss.bind(None, key_b, []) is ss.by_id[b]  # then key
+    assert ss.bind(None, "sk-fixed", msgs) is ss.by_id[b]  # then the task text
+    assert ss.bind(None, "sk-fixed", normalize_messages([{"role": "user", "content": "hello"}])) is None
     gw.close_session(a)
     with pytest.raises(ApiError) as e:
-        gw.bind(a, None, msgs)
+        ss.bind(a, None, msgs)
     assert e.value.status == 410
     with pytest.raises(ApiError) as e:
-        gw.bind("s-unknown", None, msgs)
+        ss.bind("s-unknown", None, msgs)
     assert e.value.status == 404
 
 
@@ -108,33 +61,46 @@ def test_follow_up_prompt_reuses_exact_tokens(gw, tok):
     """Turn 2's prompt = every token of turn 1 (prompt + the engine's sampled ids, which need not be what the
     tokenizer would produce for that text) + the template's tokens for the new messages only."""
     sid, _, _ = gw.open_session("t")
-    s = gw.sessions[sid]
+    s = gw.sessions.by_id[sid]
     msgs = normalize_messages([{"role": "user", "content": "What is 12 + 35?"}])
-    p1 = gw.prompt_ids(s, msgs, None)
+    p1 = gw.sessions.prompt_ids(s, msgs, None)
     sampled = tok.encode("4", add_special_tokens=False) + tok.encode("7", add_special_tokens=False) + [tok.eos_token_id]
     s.record.record(Generation(p1, sampled, [-0.1] * len(sampled), "stop", 0))
     s.history = msgs + [{"role": "assistant", "content": "47"}]
-    follow = msgs + [{"role": "assistant", "content": "47", "tool_calls": [{"function": {"name": "f", "arguments": {}}}]},
-                     {"role": "tool", "content": "ok"}]
-    p2 = gw.prompt_ids(s, normalize_messages(follow), None)
+    call = {"function": {"name": "f", "arguments": {}}}
+    follow = msgs + [{"role": "assistant", "content": "47", "tool_calls": [call]}, {"role": "tool", "content": "ok"}]
+    p2 = gw.sessions.prompt_ids(s, normalize_messages(follow), None)
     assert p2[: len(p1) + len(sampled)] == p1 + sampled
     assert tok.decode(p2[len(p1) + len(sampled):]) == "\n<|im_start|>tool\nok<|im_end|>\n<|im_start|>assistant\n"
     with pytest.raises(ApiError) as e:
-        gw.prompt_ids(s, normalize_messages([{"role": "user", "content": "something else"}] + follow[1:]), None)
+        gw.sessions.prompt_ids(s, normalize_messages([{"role": "user", "content": "something else"}] + follow[1:]),
+                               None)
     assert e.value.code == "conversation_rewritten"
+
+
+def test_text_prompt_reuses_session_tokens(gw, tok):
+    """/v1/completions: a text prompt that starts with the session's decoded tokens keeps those tokens exactly."""
+    sid, _, _ = gw.open_session("t")
+    s = gw.sessions.by_id[sid]
+    p1 = gw.sessions.text_prompt_ids(s, "1 + 2 =")
+    sampled = tok.encode(" ", add_special_tokens=False) + tok.encode("3", add_special_tokens=False)
+    s.record.record(Generation(p1, sampled, [-0.1] * len(sampled), "stop", 0))
+    p2 = gw.sessions.text_prompt_ids(s, "1 + 2 = 3, and 4 + 5 =")
+    assert p2[: len(p1) + len(sampled)] == p1 + sampled and tok.decode(p2[len(p1) + len(sampled):]) == ", and 4 + 5 ="
+    assert gw.sessions.text_prompt_ids(s, "other") == tok.encode("other", add_special_tokens=False)
 
 
 def test_limits(gw):
     sid, _, _ = gw.open_session("t", budget=10, max_prompt=40)
-    s = gw.sessions[sid]
-    assert gw._limits(s, [1] * 20, None, 1) == 10  # the trajectory budget caps max_tokens
-    assert gw._limits(None, [1] * 20, None, 1) == 44  # unbound: the rest of the context
+    s = gw.sessions.by_id[sid]
+    assert gw.sessions.limits(s, [1] * 20, None, 1) == 10  # the trajectory budget caps max_tokens
+    assert gw.sessions.limits(None, [1] * 20, None, 1) == 44  # unbound: the rest of the context
     for prompt, max_tokens, n, code in [([1] * 64, None, 1, "context_length_exceeded"),
                                         ([1] * 20, 50, 1, "context_length_exceeded"),
                                         ([1] * 41, None, 1, "context_length_exceeded"),  # data.max_prompt_length
                                         ([1] * 20, None, 2, "invalid_n"), ([1] * 20, 0, 1, "invalid_value")]:
         with pytest.raises(ApiError) as e:
-            gw._limits(s, prompt, max_tokens, n)
+            gw.sessions.limits(s, prompt, max_tokens, n)
         assert e.value.status == 400 and e.value.code == code
     with pytest.raises(ApiError) as e:
         gw.check_model({"model": "gpt-4o"})

@@ -7,7 +7,6 @@ import os
 
 import pytest
 
-from rayrl.actors.sandbox import SandboxConfig
 from rayrl.agents.tool_agent import load_tools
 from rayrl.config import load_config
 
@@ -22,5 +21,4 @@ def test_there_are_jobs() -> None:
 def test_job_loads(path: str) -> None:
     cfg = load_config(path, check_files=False)
     if cfg.rollout.agent == "rayrl.agents.tool_agent:agent":  # its agent_config is checked by the agent itself
-        SandboxConfig.from_dict(cfg.rollout.agent_config.get("sandbox"))
         load_tools(cfg.rollout.agent_config.get("tools"))

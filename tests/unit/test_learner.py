@@ -1,4 +1,5 @@
-"""LearnerWorker's plain class in this process (world size 1, gloo): step, KL to the reference, checkpoints."""
+"""The plain Learner (LearnerActor's class) in this process (world size 1, gloo): step, KL to the reference,
+entropy, checkpoints."""
 
 from __future__ import annotations
 
@@ -24,11 +25,11 @@ def learner(tiny_model, request):
 
 
 def test_step_loss_and_update(learner):
-    before = learner.weights(0).arrays["lm_head.weight"].copy()
+    before = learner.send_weights("object_store", 0).arrays["lm_head.weight"].copy()
     stats = learner.train_step(BATCH)
     # on-policy ratio 1: token-mean of -A over the 4 trained tokens = -(1 + 1 + 1 - 1) / 4
     assert stats.loss == pytest.approx(-0.5, abs=1e-6) and stats.num_tokens == 4 and stats.grad_norm > 0
-    after = learner.weights(1).arrays["lm_head.weight"]
+    after = learner.send_weights("object_store", 1).arrays["lm_head.weight"]
     assert np.abs(after - before).max() == pytest.approx(1e-2, rel=1e-3)  # AdamW's first step moves by ~lr
 
 
@@ -37,6 +38,35 @@ def test_kl_to_reference(learner):
     first, second = learner.train_step(BATCH), learner.train_step(BATCH)
     assert first.extra["kl_loss"] == 0.0  # the policy starts equal to its reference
     assert second.extra["kl_loss"] > 0.0
+
+
+def _entropy_by_hand(learner, batch: TrainBatch, temperature: float) -> float:
+    """Token-mean over the loss mask of -sum(p log p), p from a float64 log_softmax over each sequence's full logits."""
+    import torch
+
+    total = 0.0
+    with torch.no_grad():
+        for p, r, m in zip(batch.prompt_ids, batch.response_ids, batch.loss_mask, strict=True):
+            logits = learner.model(input_ids=torch.tensor([p + r])).logits[0, len(p) - 1 : len(p) + len(r) - 1]
+            logp = (logits.double() / temperature).log_softmax(-1)
+            total += float((-(logp.exp() * logp).sum(-1) * torch.tensor(m, dtype=torch.float64)).sum())
+    return total / batch.global_tokens
+
+
+@pytest.mark.parametrize("learner", [["rollout.temperature=0.7"]], indirect=True)
+def test_entropy_is_logged_not_trained_on_by_default(learner):
+    want = _entropy_by_hand(learner, BATCH, 0.7)
+    stats = learner.train_step(BATCH)
+    assert want > 0 and stats.entropy == pytest.approx(want, abs=1e-5)
+    assert stats.loss == pytest.approx(-0.5, abs=1e-6)  # algo.entropy_coeff 0: the loss of test_step_loss_and_update
+
+
+@pytest.mark.parametrize("learner", [["algo.entropy_coeff=0.1"]], indirect=True)
+def test_entropy_coeff_subtracts_the_entropy(learner):
+    """verl's entropy bonus: pg_loss - entropy_coeff x entropy aggregated by loss_agg_mode (token-mean here, the
+    logged value)."""
+    stats = learner.train_step(BATCH)
+    assert stats.entropy > 0 and stats.loss == pytest.approx(-0.5 - 0.1 * stats.entropy, abs=1e-6)
 
 
 def test_checkpoint_round_trip(learner, tmp_path):
@@ -58,7 +88,7 @@ def test_step_records_trace_spans(learner):
     outer = events[-1]
     for e in events:
         assert outer["start"] <= e["start"] <= e["end"] <= outer["end"] and e["rank"] == 0
-    for a, b in zip(events[:-1], events[1:-1]):  # one after another
+    for a, b in zip(events[:-1], events[1:-1], strict=False):  # one after another
         assert a["end"] <= b["start"]
 
 
@@ -67,13 +97,13 @@ def test_cached_local_views_follow_optimizer_steps_and_loads(learner, tmp_path):
     later step's weights (the optimizer updates in place) and a checkpoint load's, never a stale copy."""
     import torch
 
-    from rayrl import weight_sync
+    from rayrl.weight_sync import layout
 
     def fresh():
-        return {k: v.clone() for k, v in weight_sync.full_tensors(learner.model)}
+        return {k: v.clone() for k, v in layout.full_tensors(learner.model)}
 
     learner.compute_logprobs(BATCH)  # a forward without backward must not leave the parameters gathered
-    cached = list(weight_sync.full_tensors(learner.model))  # one rank: views of the parameters, what ipc_handle keeps
+    cached = list(layout.full_tensors(learner.model))  # one rank: views of the parameters, what cuda_ipc keeps
     assert [k for k, _ in cached] == list(fresh())
     learner.save(str(tmp_path))
     before = fresh()
@@ -83,7 +113,7 @@ def test_cached_local_views_follow_optimizer_steps_and_loads(learner, tmp_path):
     for name, t in cached:
         assert torch.equal(t, after[name]), name
     learner.load(str(tmp_path))  # the learner drops its cached list here; whatever it rebuilds must match the load
-    rebuilt = list(weight_sync.full_tensors(learner.model))
+    rebuilt = list(layout.full_tensors(learner.model))
     for name, t in rebuilt:
         assert torch.equal(t, before[name]), name
 

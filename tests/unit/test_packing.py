@@ -1,4 +1,5 @@
-"""Padding-free packed micro-batches (issue #6): token-budget bins, chunked fp32 log-probs, and packed == padded."""
+"""Padding-free packed micro-batches (issue #6): token-budget bins, chunked fp32 log-probs and entropy, and
+packed == padded."""
 
 from __future__ import annotations
 
@@ -7,9 +8,9 @@ import random
 import pytest
 import torch
 
-from rayrl.actors import learner as learner_mod
-from rayrl.actors.learner import token_budget_bins, token_logprobs
+from rayrl.batching import token_budget_bins
 from rayrl.config import load_config
+from rayrl.logprobs import token_logprobs, token_logprobs_entropy
 from rayrl.types import TrainBatch
 
 
@@ -19,7 +20,8 @@ def test_bins_respect_the_budget():
     assert sorted(i for b in bins for i in b) == list(range(len(lengths)))  # every sequence exactly once
     assert [1] in bins  # longer than the budget: alone
     assert all(sum(lengths[i] for i in b) <= 20 for b in bins if b != [1])
-    assert sorted(map(sorted, bins)) == [[0, 4, 5], [1], [2, 3, 7], [6]]  # first-fit decreasing: 30 | 20 | 12+7+1 | 9+5+3
+    # first-fit decreasing: 30 | 20 | 12+7+1 | 9+5+3
+    assert sorted(map(sorted, bins)) == [[0, 4, 5], [1], [2, 3, 7], [6]]
     assert token_budget_bins([], 10) == []
 
 
@@ -33,8 +35,7 @@ def test_bins_split_to_a_minimum_count():
 
 @pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_token_logprobs_match_log_softmax(monkeypatch, dtype, compiled):
-    monkeypatch.setattr(learner_mod, "LOGPROB_CHUNK", 3)  # several chunks, the last one short
+def test_token_logprobs_match_log_softmax(dtype, compiled):
     torch.manual_seed(0)
     logits = torch.randn(10, 17, dtype=dtype, requires_grad=True)
     targets = torch.randint(0, 17, (10,))
@@ -42,12 +43,56 @@ def test_token_logprobs_match_log_softmax(monkeypatch, dtype, compiled):
     ref_logits = logits.detach().clone().requires_grad_(True)
     ref = (ref_logits.float() / 0.7).log_softmax(-1).gather(-1, targets[:, None])[:, 0]
     (ref * weights).sum().backward()
-    got = token_logprobs(logits, targets, 0.7, compiled=compiled)  # compiled: the fused one-pass backward
+    # chunk=3: several chunks, the last one short; compiled: the fused one-pass backward
+    got = token_logprobs(logits, targets, 0.7, compiled=compiled, chunk=3)
     (got * weights).sum().backward()
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, ref, atol=1e-6, rtol=0)
     assert logits.grad.dtype == dtype
     torch.testing.assert_close(logits.grad, ref_logits.grad, atol=1e-6 if dtype == torch.float32 else 1e-2, rtol=0)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_entropy_and_its_gradient_match_float64(dtype, compiled):
+    """Entropy from the chunked pass (no [N, V] fp32 held) equals -sum(p log p) of a float64 log_softmax over the
+    full logits, and so do the log-probs and the gradients through either output or both."""
+    torch.manual_seed(0)
+    logits = (torch.randn(10, 17) * 3).to(dtype)
+    targets = torch.randint(0, 17, (10,))
+    w_lp, w_ent = torch.randn(10), torch.randn(10)
+    for lp_weight, ent_weight in ((w_lp, w_ent), (None, w_ent), (w_lp, None)):
+        ref_logits = logits.double().requires_grad_(True)
+        logp = (ref_logits / 0.7).log_softmax(-1)
+        ref_lp, ref_ent = logp.gather(-1, targets[:, None])[:, 0], -(logp.exp() * logp).sum(-1)
+        x = logits.clone().requires_grad_(True)
+        lp, ent = token_logprobs_entropy(x, targets, 0.7, compiled=compiled, chunk=3)
+        assert lp.dtype == ent.dtype == torch.float32
+        torch.testing.assert_close(lp, ref_lp.float(), atol=1e-5, rtol=0)
+        torch.testing.assert_close(ent, ref_ent.float(), atol=1e-5, rtol=0)
+        ref_loss, loss = torch.zeros((), dtype=torch.float64), torch.zeros(())
+        if lp_weight is not None:
+            ref_loss, loss = ref_loss + (ref_lp * lp_weight).sum(), loss + (lp * lp_weight).sum()
+        if ent_weight is not None:
+            ref_loss, loss = ref_loss + (ref_ent * ent_weight).sum(), loss + (ent * ent_weight).sum()
+        ref_loss.backward()
+        loss.backward()
+        assert x.grad.dtype == dtype
+        torch.testing.assert_close(x.grad, ref_logits.grad.to(dtype), atol=1e-5 if dtype == torch.float32 else 1e-2,
+                                   rtol=0)
+
+
+def test_unused_entropy_leaves_the_logprob_gradient_unchanged():
+    """With no gradient reaching the entropy (algo.entropy_coeff 0), the backward is token_logprobs' own: the same
+    gradient, bit for bit."""
+    torch.manual_seed(0)
+    logits = torch.randn(10, 17)
+    targets, w = torch.randint(0, 17, (10,)), torch.randn(10)
+    a, b = logits.clone().requires_grad_(True), logits.clone().requires_grad_(True)
+    (token_logprobs(a, targets, 0.7, chunk=3) * w).sum().backward()
+    lp, _ = token_logprobs_entropy(b, targets, 0.7, chunk=3)
+    (lp * w).sum().backward()
+    assert torch.equal(a.grad, b.grad)
 
 
 def _batch() -> TrainBatch:
@@ -56,7 +101,7 @@ def _batch() -> TrainBatch:
     prompts = [[rng.randrange(10, 300) for _ in range(p)] for p, _ in shapes]
     resps = [[rng.randrange(10, 300) for _ in range(r)] for _, r in shapes]
     masks = [[int(rng.random() < 0.8) for _ in r] for r in resps]
-    advs = [[a] * len(r) for a, r in zip([1.0, -0.5, 0.3, -1.0, 2.0, 0.1], resps)]
+    advs = [[a] * len(r) for a, r in zip([1.0, -0.5, 0.3, -1.0, 2.0, 0.1], resps, strict=True)]
     return TrainBatch(prompt_ids=prompts, response_ids=resps, loss_mask=masks, advantages=advs,
                       global_tokens=sum(map(sum, masks)), global_seqs=len(shapes))
 
@@ -78,7 +123,8 @@ def make_learner(tiny_model):
 
 
 def _grads(ln) -> dict[str, torch.Tensor]:
-    return {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for n, p in ln.model.named_parameters()}
+    return {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+            for n, p in ln.model.named_parameters()}
 
 
 def test_packed_equals_padded(make_learner):
@@ -95,7 +141,7 @@ def test_packed_equals_padded(make_learner):
     assert [len(x) for x in want] == [len(r) for r in batch.response_ids]
     for ln in runs.values():
         got = ln.compute_logprobs(batch)
-        for w, g in zip(want, got):
+        for w, g in zip(want, got, strict=True):
             assert g == pytest.approx(w, abs=1e-5)
         # The reference model's packed forward must not see the other sequences either
         ref = ln._logprobs(batch, list(range(len(batch))), model=ln.ref)[0]
@@ -109,6 +155,7 @@ def test_packed_equals_padded(make_learner):
         stats = ln.train_step(batch, old)
         assert stats.loss == pytest.approx(base.loss, abs=1e-6)
         assert stats.ppo_kl == pytest.approx(base.ppo_kl, abs=1e-6)
+        assert stats.entropy == pytest.approx(base.entropy, abs=1e-6) and base.entropy > 0
         for n, g in _grads(ln).items():
             torch.testing.assert_close(g, base_grads[n], atol=1e-6, rtol=1e-4, msg=n)
 

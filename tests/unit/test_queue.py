@@ -1,12 +1,14 @@
-"""LeaseQueue logic, without Ray: leases, expiry, dead workers, duplicates, result order."""
+"""LeaseQueue logic and the TaskQueue around it, without Ray: leases, expiry, dead workers, duplicates, result order,
+parked callers."""
 
 from __future__ import annotations
 
+import asyncio
 import pickle
 
 import pytest
 
-from rayrl.actors.queue import LeaseQueue, Packed, _leases_out, _Unpacked, pack
+from rayrl.actors.queue import LeaseQueue, Packed, TaskQueue, _leases_out, _Unpacked, pack
 from rayrl.types import Task, Trajectory
 
 
@@ -201,7 +203,7 @@ def test_packed_items_cross_the_wire_as_bytes_and_arrive_as_objects(q: LeaseQueu
     leased = q.lease("w1", max_items=4)
     # What the worker receives from the actor's lease(): plain (lease_id, Task) pairs.
     got = pickle.loads(pickle.dumps(_leases_out(leased), protocol=5))
-    assert got == [(lid, t) for (lid, _), t in zip(leased, tasks + [task(3)])]
+    assert got == [(lid, t) for (lid, _), t in zip(leased, tasks + [task(3)], strict=True)]
     results = pickle.loads(pickle.dumps(pack([result(t, "w1") for t in tasks]), protocol=5))
     assert q.ack("w1", results + [result(task(3), "w1")]) == 4
     # What the driver receives from get_results(): plain Trajectories.
@@ -214,3 +216,25 @@ def test_pack_falls_back_to_cloudpickle() -> None:
     t.extra_info["check"] = lambda x: x + 1  # plain pickle cannot do this
     (p,) = pickle.loads(pickle.dumps(pack([t]), protocol=5))
     assert pickle.loads(p.blob).extra_info["check"](1) == 2
+
+
+def test_task_queue_parks_callers_until_items_arrive() -> None:
+    """TaskQueue, the TaskQueueActor's plain class, on a bare event loop: a parked lease wakes when a task is put,
+    a parked get_results when its result is acked; with nothing coming, both return empty at their timeout."""
+
+    async def scenario() -> None:
+        tq = TaskQueue(lease_timeout=60.0)
+        parked = asyncio.create_task(tq.lease("w1", 2, timeout=10.0))
+        await asyncio.sleep(0.05)
+        assert not parked.done()
+        assert await tq.put([task(0)]) == 1
+        [(lease_id, leased)] = await asyncio.wait_for(parked, 1.0)
+        assert lease_id.startswith("w1#") and leased.task_id == task(0).task_id
+        collecting = asyncio.create_task(tq.get_results(10, timeout=10.0))
+        await asyncio.sleep(0.05)
+        assert not collecting.done()
+        assert await tq.ack("w1", [result(leased, "w1")]) == 1
+        assert [r.task_id for r in await asyncio.wait_for(collecting, 1.0)] == [task(0).task_id]
+        assert await tq.lease("w1", 1, timeout=0.1) == [] and await tq.get_results(1, timeout=0.1) == []
+
+    asyncio.run(scenario())

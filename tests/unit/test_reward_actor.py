@@ -1,4 +1,4 @@
-"""RewardScorer: process pool, per-score timeouts, failures as recorded results; RewardActor on a local Ray."""
+"""Reward: process pool, per-score timeouts, failures as recorded results; RewardActor on a local Ray."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from rayrl.actors.reward import RewardRequest, RewardScorer
+from rayrl.actors.reward import Reward, RewardRequest
 from rayrl.config import ConfigError
 
 SCORER = "tests.helpers_rewards:slow_or_exact"
@@ -21,22 +21,23 @@ def _req(task_id: str, answer: str, truth: str = "5", sleep: float = 0.0) -> Rew
 
 @pytest.fixture(scope="module")
 def scorer():
-    s = RewardScorer(SCORER, timeout=1.0, num_procs=2)
+    s = Reward(SCORER, timeout=1.0, num_procs=2)
     yield s
     s.close()
 
 
-def test_scores_in_order(scorer: RewardScorer) -> None:
-    results = asyncio.run(scorer.score([_req("a", "5"), _req("b", "6"), _req("c", " 5 ")]))
+def test_scores_in_order(scorer: Reward) -> None:
+    results = asyncio.run(scorer.score([_req("a", "5"), _req("b", "6", sleep=0.5), _req("c", " 5 ")]))
     assert [(r.task_id, r.score, r.error) for r in results] == [("a", 1.0, None), ("b", 0.0, None), ("c", 1.0, None)]
-    assert all(r.seconds >= 0 for r in results)
+    assert results[1].seconds >= 0.5  # the time recorded covers the score itself (the scorer slept 0.5 s)
 
 
-def test_timeout_kills_and_pool_survives(scorer: RewardScorer) -> None:
+def test_timeout_kills_and_pool_survives(scorer: Reward) -> None:
     start = time.monotonic()
     slow, fast = asyncio.run(scorer.score([_req("slow", "5", sleep=30), _req("fast", "5")]))
     assert time.monotonic() - start < 15  # the 30 s scorer was killed, not waited for
     assert slow.score is None and slow.error == "reward timed out after 1s"
+    assert 1.0 <= slow.seconds < 15  # recorded from submission to the kill at the 1 s timeout
     assert fast.score == 1.0 and fast.error is None
     # the killed worker was replaced: both workers score again
     again = asyncio.run(scorer.score([_req("n1", "5"), _req("n2", "4")]))
@@ -45,7 +46,7 @@ def test_timeout_kills_and_pool_survives(scorer: RewardScorer) -> None:
 
 
 def test_raising_scorer_is_an_error_not_zero() -> None:
-    s = RewardScorer("tests.helpers_rewards:raising", timeout=5.0, num_procs=1)
+    s = Reward("tests.helpers_rewards:raising", timeout=5.0, num_procs=1)
     try:
         (r,) = asyncio.run(s.score([_req("x", "oops")]))
         assert r.score is None and r.error == "ValueError: cannot score 'oops'"
@@ -55,7 +56,7 @@ def test_raising_scorer_is_an_error_not_zero() -> None:
 
 
 def test_crashing_worker_is_an_error() -> None:
-    s = RewardScorer("tests.helpers_rewards:crash", timeout=5.0, num_procs=1)
+    s = Reward("tests.helpers_rewards:crash", timeout=5.0, num_procs=1)
     try:
         (r,) = asyncio.run(s.score([_req("x", "5")]))
         assert r.score is None and r.error.startswith("ProcessExpired")
@@ -65,7 +66,7 @@ def test_crashing_worker_is_an_error() -> None:
 
 def test_bad_spec_fails_at_construction() -> None:
     with pytest.raises(ConfigError, match="reward.fn"):
-        RewardScorer("no_such_module_xyz:fn", timeout=1.0, num_procs=1)
+        Reward("no_such_module_xyz:fn", timeout=1.0, num_procs=1)
 
 
 @pytest.mark.integration

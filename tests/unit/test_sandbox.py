@@ -1,4 +1,5 @@
-"""SandboxPool: results, limits, back-pressure, config errors, the e2b key handling; one small Ray actor test."""
+"""SandboxPool: results, limits, back-pressure, config errors, the e2b key handling (the Ray actor:
+tests/integration/test_sandbox_actor.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import time
 
 import pytest
 
-from rayrl.actors.sandbox import ExecResult, SandboxConfig, SandboxFull, SandboxPool
+from rayrl.config import ConfigError, SandboxConfig, load_config
+from rayrl.sandbox import ExecResult, SandboxFull, SandboxPool
 
 
 def arun(coro):
@@ -56,7 +58,7 @@ def test_state_does_not_persist_between_runs(zygote: bool) -> None:
               "print(random.random())\n")
 
     async def go():
-        pool = SandboxPool({"max_concurrency": 1, "zygote": zygote})
+        pool = SandboxPool(SandboxConfig(max_concurrency=1, zygote=zygote))
         a = await pool.run(first)
         b = await pool.run(second)
         await pool.close()
@@ -70,7 +72,7 @@ def test_state_does_not_persist_between_runs(zygote: bool) -> None:
 
 def test_runs_fork_from_a_zygote_that_is_restarted_when_it_dies() -> None:
     async def go():
-        pool = SandboxPool({"max_concurrency": 1})
+        pool = SandboxPool(SandboxConfig(max_concurrency=1))
         first = await pool.run("import os\nprint(os.getppid())")
         zygote = pool._backend._zygotes[0]
         assert pool.isolation["zygote"] and int(first.stdout) == zygote.proc.pid
@@ -92,11 +94,11 @@ def test_runs_fork_from_a_zygote_that_is_restarted_when_it_dies() -> None:
 
 
 def test_falls_back_to_spawning_when_the_zygote_cannot_start(monkeypatch, caplog) -> None:
-    from rayrl.actors import sandbox_zygote
+    from rayrl.sandbox import zygote
 
-    monkeypatch.setattr(sandbox_zygote, "__file__", "/nonexistent/sandbox_zygote.py")
-    pool = SandboxPool({"max_concurrency": 1})
-    with caplog.at_level("WARNING", logger="rayrl.actors.sandbox"):
+    monkeypatch.setattr(zygote, "__file__", "/nonexistent/zygote.py")
+    pool = SandboxPool(SandboxConfig(max_concurrency=1))
+    with caplog.at_level("WARNING", logger="rayrl.sandbox.local"):
         a, b = arun(run_all(pool, ["print(1)", "print(2)"]))
     assert (a.stdout, b.stdout) == ("1\n", "2\n") and a.ok and b.ok
     warnings = [r for r in caplog.records if "zygote" in r.getMessage()]
@@ -109,8 +111,8 @@ def test_a_forked_run_has_only_stdio_its_env_and_a_fresh_main() -> None:
             "print(sorted(int(f) for f in os.listdir('/proc/self/fd')))\n"
             "print(sorted(os.environ))\n"
             "print(__name__, __file__, sys.argv, sys.path[0], sorted(k for k in globals() if not k.startswith('__')))\n"
-            "print(any(m.startswith(('rayrl', 'pytest', 'sandbox_zygote')) for m in sys.modules))\n")
-    (r,) = arun(run_all(SandboxPool({"env": {"EXTRA": "1"}}), [code]))
+            "print(any(m.startswith(('rayrl', 'pytest', 'zygote')) for m in sys.modules))\n")
+    (r,) = arun(run_all(SandboxPool(SandboxConfig(env={"EXTRA": "1"})), [code]))
     assert r.ok, r
     fds, env, main, leaked = r.stdout.splitlines()
     assert fds == "[0, 1, 2, 3]"  # 3: the listdir's own
@@ -130,12 +132,12 @@ def test_exit_codes_threads_and_atexit_like_a_fresh_interpreter() -> None:
     three, bye, syntax, late = arun(run_all(SandboxPool(), codes))
     assert three.exit_code == 3 and three.error is None
     assert bye.exit_code == 1 and bye.stderr == "bye\n"
-    assert syntax.exit_code == 1 and "SyntaxError" in syntax.stderr and "sandbox_zygote" not in syntax.stderr
+    assert syntax.exit_code == 1 and "SyntaxError" in syntax.stderr and "zygote.py" not in syntax.stderr
     assert late.stdout == "main\nthread\natexit\n" and late.exit_code == 0, late
 
 
 def test_concurrency_is_bounded() -> None:
-    pool = SandboxPool({"max_concurrency": 2, "timeout": 60})  # generous: the machine may be loaded
+    pool = SandboxPool(SandboxConfig(max_concurrency=2, timeout=60))  # generous: the machine may be loaded
     code = "import time\nt = time.time()\ntime.sleep(0.4)\nprint(t)"
     t0 = time.perf_counter()
     results = arun(run_all(pool, [code] * 4))
@@ -147,7 +149,7 @@ def test_concurrency_is_bounded() -> None:
 
 
 def test_full_queue_is_rejected_at_once() -> None:
-    pool = SandboxPool({"max_concurrency": 1, "max_queue": 1})
+    pool = SandboxPool(SandboxConfig(max_concurrency=1, max_queue=1))
     results = arun(run_all(pool, ["import time\ntime.sleep(0.5)"] * 3))
     full = [r for r in results if isinstance(r, SandboxFull)]
     assert len(full) == 1 and "sandbox.max_queue=1" in str(full[0])
@@ -156,70 +158,46 @@ def test_full_queue_is_rejected_at_once() -> None:
 
 
 def test_stderr_is_truncated_too() -> None:
-    (r,) = arun(run_all(SandboxPool({"max_output_bytes": 100}), ["import sys\nsys.stderr.write('e' * 5000)"]))
+    pool = SandboxPool(SandboxConfig(max_output_bytes=100))
+    (r,) = arun(run_all(pool, ["import sys\nsys.stderr.write('e' * 5000)"]))
     assert len(r.stderr) == 100 and "stderr" in r.error
 
 
 def test_background_child_does_not_hold_the_run() -> None:
     # The main process exits; a child it left in its process group must not keep the run open until the timeout.
     code = "import subprocess\nsubprocess.Popen(['sleep', '30'])\nprint('done')"
-    (r,) = arun(run_all(SandboxPool({"timeout": 20}), [code]))
+    (r,) = arun(run_all(SandboxPool(SandboxConfig(timeout=20)), [code]))
     assert r.stdout == "done\n" and r.error is None and r.duration < 10
 
 
-@pytest.mark.parametrize("raw, fragment", [
-    ({"backend": "docker"}, "sandbox.backend='docker'"),
-    ({"max_concurency": 2}, "unknown sandbox config key 'max_concurency'"),
-    ({"timeout": 0}, "sandbox.timeout must be > 0"),
-    ({"namespaces": "maybe"}, "sandbox.namespaces='maybe'"),
+@pytest.mark.parametrize("override, fragment", [
+    ("sandbox.backend=docker", "sandbox.backend='docker'"),
+    ("sandbox.max_concurency=2", "unknown config key sandbox.max_concurency"),
+    ("sandbox.timeout=0", "sandbox.timeout must be > 0"),
+    ("sandbox.namespaces=maybe", "sandbox.namespaces='maybe'"),
+    ("sandbox.max_queue=-1", "sandbox.max_queue must be >= 0"),
 ])
-def test_config_errors_name_the_field(raw: dict, fragment: str) -> None:
-    with pytest.raises(ValueError, match=None) as e:
-        SandboxConfig.from_dict(raw)
+def test_config_errors_name_the_field(override: str, fragment: str) -> None:
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [override], check_files=False)
     assert fragment in str(e.value)
+
+
+def test_the_pool_refuses_an_unknown_backend() -> None:
+    with pytest.raises(ValueError, match="sandbox.backend='docker'"):
+        SandboxPool(SandboxConfig(backend="docker"))
 
 
 def test_e2b_without_key_is_a_clear_error_and_never_shows_the_key(monkeypatch) -> None:
     pytest.importorskip("e2b_code_interpreter")
     monkeypatch.delenv("RAYRL_TEST_E2B_KEY", raising=False)
-    pool = SandboxPool({"backend": "e2b", "e2b_api_key_env": "RAYRL_TEST_E2B_KEY"})
+    pool = SandboxPool(SandboxConfig(backend="e2b", e2b_api_key_env="RAYRL_TEST_E2B_KEY"))
     (r,) = arun(run_all(pool, ["print(1)"]))
     assert r.error and "RAYRL_TEST_E2B_KEY" in r.error and "not set" in r.error
 
 
-@pytest.mark.integration
-def test_sandbox_actor(ray_cluster) -> None:
-    import ray
-
-    from rayrl.actors.sandbox import ActorSandbox, SandboxActor
-
-    actor = ray.remote(SandboxActor).options(num_cpus=0).remote({"max_concurrency": 1, "max_queue": 0})
-    try:
-        ray.get(actor.stats.remote(), timeout=60)  # started: calls below arrive in order
-        sandbox = ActorSandbox(actor)
-
-        async def go():
-            first = asyncio.ensure_future(sandbox.run("import time\ntime.sleep(1.0)\nprint('a')"))
-            await asyncio.sleep(0.3)  # the first now holds the only slot
-            second = await sandbox.run("print('b')")
-            return await first, second
-        a, b = arun(go())
-        assert a.stdout == "a\n", a
-        # max_queue=0 and one slot busy: the second is refused at once, as a result (not a raised error)
-        assert b.error and "queue full" in b.error
-        stats = ray.get(actor.stats.remote(), timeout=30)
-        assert stats["runs"] == 1 and stats["rejected"] == 1
-        ray.get(actor.close.remote(), timeout=30)
-    finally:
-        ray.kill(actor)
-
-
 def test_runs_from_a_process_with_many_open_files(tmp_path):
     """A Ray actor holds many sockets: fd numbers above the sandbox's NOFILE limit must not break the spawn."""
-    import asyncio
-
-    from rayrl.actors.sandbox import SandboxConfig, SandboxPool
-
     held = [open(tmp_path / f"f{i}", "w") for i in range(200)]
     try:
         pool = SandboxPool(SandboxConfig())
@@ -233,7 +211,7 @@ def test_runs_from_a_process_with_many_open_files(tmp_path):
 
 def test_a_cancelled_run_does_not_confuse_the_next_one() -> None:
     async def go():
-        pool = SandboxPool({"max_concurrency": 1})
+        pool = SandboxPool(SandboxConfig(max_concurrency=1))
         task = asyncio.ensure_future(pool.run("import time\ntime.sleep(30)\nprint('late')"))
         await asyncio.sleep(0.5)
         task.cancel()

@@ -18,7 +18,8 @@ import pytest
 
 pytest.importorskip("e2b_code_interpreter")
 
-from rayrl.actors.sandbox import SandboxPool  # noqa: E402
+from rayrl.config import SandboxConfig  # noqa: E402
+from rayrl.sandbox import SandboxPool  # noqa: E402
 
 KEY = "e2b_test_key_0123456789"
 
@@ -79,8 +80,8 @@ def fake_e2b(monkeypatch):
     thread.start()
     monkeypatch.setenv("RAYRL_TEST_E2B_KEY", KEY)
     url = f"http://127.0.0.1:{server.server_address[1]}"
-    yield {"backend": "e2b", "e2b_api_key_env": "RAYRL_TEST_E2B_KEY", "e2b_template": "code-interpreter-v1",
-           "e2b_api_url": url, "e2b_sandbox_url": url, "max_concurrency": 2}
+    yield SandboxConfig(backend="e2b", e2b_api_key_env="RAYRL_TEST_E2B_KEY", e2b_template="code-interpreter-v1",
+                        e2b_api_url=url, e2b_sandbox_url=url, max_concurrency=2)
     server.shutdown()
     server.server_close()
 

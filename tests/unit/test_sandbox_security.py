@@ -7,6 +7,7 @@ saying why. docs/sandbox.md lists which mechanism blocks which attack.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import socket
@@ -17,14 +18,15 @@ import time
 
 import pytest
 
-from rayrl.actors.sandbox import ExecResult, SandboxPool
+from rayrl.config import SandboxConfig
+from rayrl.sandbox import ExecResult, SandboxPool
 
-BASE = {"max_concurrency": 2, "timeout": 5.0}
+BASE = SandboxConfig(max_concurrency=2, timeout=5.0)
 
 
 def run(code: str, **cfg) -> tuple[ExecResult, SandboxPool]:
     async def go():
-        pool = SandboxPool({**BASE, **cfg})
+        pool = SandboxPool(dataclasses.replace(BASE, **cfg))
         try:
             return await pool.run(code), pool
         finally:
@@ -35,7 +37,7 @@ def run(code: str, **cfg) -> tuple[ExecResult, SandboxPool]:
 def run_uids(code: str, **cfg) -> tuple[ExecResult, list[int]]:
     """Like run(), also returning the uids the pool's slots ran as."""
     async def go():
-        pool = SandboxPool({**BASE, **cfg})
+        pool = SandboxPool(dataclasses.replace(BASE, **cfg))
         try:
             res = await pool.run(code)
             return res, [pool._backend.uid(i) for i in range(pool.config.max_concurrency)]
@@ -207,7 +209,7 @@ def test_no_network_to_a_listening_host_socket() -> None:
 @needs_uid
 def test_two_pools_never_share_a_uid() -> None:
     async def go():
-        a, b = SandboxPool({"max_concurrency": 3}), SandboxPool({"max_concurrency": 3})
+        a, b = SandboxPool(SandboxConfig(max_concurrency=3)), SandboxPool(SandboxConfig(max_concurrency=3))
         ra, rb = await asyncio.gather(a.run("import os\nprint(os.getuid())"), b.run("import os\nprint(os.getuid())"))
         ua = {a._backend.uid(i) for i in range(3)}
         ub = {b._backend.uid(i) for i in range(3)}
@@ -222,14 +224,15 @@ def test_two_pools_never_share_a_uid() -> None:
 def test_killing_the_parent_fails() -> None:
     # The pool runs in a child process: if the sandbox could kill its parent, the child dies, not pytest.
     script = ("import asyncio, json\n"
-              "from rayrl.actors.sandbox import SandboxPool\n"
+              "from rayrl.config import SandboxConfig\n"
+              "from rayrl.sandbox import SandboxPool\n"
               "code = 'import os, signal\\n"
               "for target in (os.getppid(), 1):\\n"
               "    try:\\n        os.kill(target, signal.SIGKILL); print(\"killed\", target)\\n"
               "    except OSError as e:\\n        print(\"blocked\", target, type(e).__name__)\\n"
               "os.kill(-1, signal.SIGKILL)\\n'\n"
               "async def go():\n"
-              "    pool = SandboxPool({'timeout': 5})\n"
+              "    pool = SandboxPool(SandboxConfig(timeout=5))\n"
               "    r = await pool.run(code)\n"
               "    await pool.close()\n"
               "    return r\n"
@@ -263,7 +266,7 @@ def test_a_run_cannot_kill_or_reach_its_zygote() -> None:
             "except OSError as e:\n    print('blocked', type(e).__name__)\n")
 
     async def go():
-        pool = SandboxPool({**BASE, "max_concurrency": 1})
+        pool = SandboxPool(dataclasses.replace(BASE, max_concurrency=1))
         try:
             first = await pool.run(code)
             zygote = pool._backend._zygotes[0]

@@ -8,9 +8,10 @@ import json
 import pytest
 from openai.types.chat import ChatCompletion
 
-from rayrl.actors.sandbox import SandboxPool
 from rayrl.agent import TaskContext
-from rayrl.agents.tool_agent import CODE_INTERPRETER, agent, load_tools, truncate
+from rayrl.agents.tool_agent import CODE_INTERPRETER, agent, load_tools, tool_calls_of, truncate
+from rayrl.config import SandboxConfig
+from rayrl.sandbox import SandboxPool
 from rayrl.types import Task
 
 
@@ -48,7 +49,7 @@ def run_agent(replies, config=None, sandbox=None):
     llm = FakeLLM(replies)
 
     async def go():
-        pool = sandbox or SandboxPool({"timeout": 10})
+        pool = sandbox or SandboxPool(SandboxConfig(timeout=10))
         try:
             return await agent(make_ctx(llm, pool), config or {})
         finally:
@@ -98,6 +99,20 @@ def test_errors_are_fed_back_and_counted() -> None:
     assert "could not be parsed" in llm.requests[2]["messages"][-1]["content"]
 
 
+def test_calls_in_the_text_parse_as_the_gateway_parses_them() -> None:
+    """Calls left in the text go through rayrl.chat's hermes parser, the Gateway's: same grammar, same errors."""
+    text = 'I will add.\n<tool_call>\n{"name": "add", "arguments": {"a": 1}}\n</tool_call>'
+    msg = completion(text).choices[0].message
+    calls, from_text, err = tool_calls_of(msg)
+    assert from_text and err is None and [(n, json.loads(a)) for _, n, a in calls] == [("add", {"a": 1})]
+    assert calls[0][0].startswith("call_")
+    msg.content = '<tool_call>{"name": "add", "arguments": {}}'  # cut before the closing tag: still a call, as in vLLM
+    assert [n for _, n, _ in tool_calls_of(msg)[0]] == ["add"]
+    msg.content = "<tool_call>{not json}</tool_call>"
+    calls, from_text, err = tool_calls_of(msg)
+    assert calls == [] and from_text and err.startswith("tool call 0: JSONDecodeError")
+
+
 def test_max_turns_and_truncation() -> None:
     loop = [completion(None, [("code_interpreter", {"code": "print('y' * 5000)"})]) for _ in range(2)]
     out, llm = run_agent(loop, {"max_turns": 2, "max_tool_response_length": 100})
@@ -143,7 +158,9 @@ def test_truncate_sides() -> None:
     assert mid.startswith("aaaaa") and mid.endswith("bbbbb") and "90 characters" in mid
 
 
-def test_without_ctx_sandbox_a_process_pool_is_used() -> None:
+def test_without_ctx_sandbox_the_code_tool_is_a_clear_error() -> None:
+    # The rollout worker always sets ctx.sandbox (tests/integration/test_sandbox_actor.py); a caller that does not
+    # gets an error naming it, never a pool with settings from nowhere.
     llm = FakeLLM([completion(None, [("code_interpreter", {"code": "print(5)"})]), completion("\\boxed{5}")])
-    out = asyncio.run(agent(make_ctx(llm, None), {"sandbox": {"max_concurrency": 1}}))
-    assert llm.requests[1]["messages"][-1]["content"] == "5" and out["metadata"]["sandbox_errors"] == 0
+    with pytest.raises(RuntimeError, match="ctx.sandbox"):
+        asyncio.run(agent(make_ctx(llm, None), {}))

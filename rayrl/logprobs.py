@@ -1,0 +1,162 @@
+"""Log-probs and entropy of the sampled tokens from [N, V] logits, without a [N, V] fp32 tensor held for autograd.
+
+`_TokenLogprobs` walks the rows `chunk` at a time (forward and backward); each chunk's arithmetic is one of the
+`_Kernels` below, eager or torch.compile'd. The chunk loop is the place to fuse the lm_head projection: compute a
+chunk's logits from its hidden states there, and its gradient into the hidden states and the weight in backward;
+the per-chunk kernels stay as they are. Plain torch, no Ray.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+LOGPROB_CHUNK = 4096  # rows of fp32 [rows, vocab] at a time (2.5 GB for a 151k vocabulary)
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, compiled: bool = False,
+                   chunk: int = LOGPROB_CHUNK) -> torch.Tensor:
+    """log_softmax(logits / temperature)[n, targets[n]] in fp32 for [N, V] logits of any dtype.
+
+    Same values as `(logits.float() / t).log_softmax(-1).gather(...)`, but the fp32 copy exists `chunk` rows at a
+    time, in backward too (which recomputes the softmax), instead of [N, V] fp32 held for autograd.
+    `compiled`: each chunk's arithmetic is one torch.compile'd function: the forward one reduction kernel, the
+    backward one pointwise kernel that reads the logits once and writes the gradient in their dtype straight into
+    its rows of the result (no fp32 [rows, V] intermediate, no scatter, no copy)."""
+    return _TokenLogprobs.apply(logits, targets, temperature, _kernels(compiled), False, chunk)
+
+
+def token_logprobs_entropy(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
+                           compiled: bool = False, chunk: int = LOGPROB_CHUNK) -> tuple[torch.Tensor, torch.Tensor]:
+    """`token_logprobs` and, from the same chunked pass, each row's entropy of softmax(logits / temperature)
+    (verl's `entropy_from_logits`: logsumexp(x) - sum(softmax(x) * x)), both fp32 [N]. Backward takes gradients
+    through either or both; with none reaching the entropy it is exactly `token_logprobs`' backward."""
+    return _TokenLogprobs.apply(logits, targets, temperature, _kernels(compiled), True, chunk)
+
+
+# --- per-chunk kernels: x = logits / temperature in fp32; d logprob / dx = onehot(target) - p,
+# d entropy / dx = -p * (log p + entropy), with p = softmax(x); the gradient w.r.t. the logits is that / temperature.
+
+
+def _chunk_forward(logits: torch.Tensor, targets: torch.Tensor, temperature: float):
+    x = logits.float() / temperature
+    lse = torch.logsumexp(x, -1)
+    return x.gather(-1, targets[:, None])[:, 0] - lse, lse
+
+
+def _chunk_forward_entropy(logits: torch.Tensor, targets: torch.Tensor, temperature: float):
+    x = logits.float() / temperature
+    lse = torch.logsumexp(x, -1)
+    entropy = lse - (torch.exp(x - lse[:, None]) * x).sum(-1)
+    return x.gather(-1, targets[:, None])[:, 0] - lse, lse, entropy
+
+
+def _chunk_backward(out: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor,
+                    grad: torch.Tensor, temperature: float) -> None:
+    # eager: an fp32 chunk, then the target column
+    d = torch.exp(logits.float() / temperature - lse[:, None]) * -grad[:, None]
+    d.scatter_add_(-1, targets[:, None], grad[:, None])
+    out.copy_(d / temperature)
+
+
+def _chunk_backward_entropy(out: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor,
+                            entropy: torch.Tensor, grad: torch.Tensor, grad_entropy: torch.Tensor,
+                            temperature: float) -> None:
+    logp = logits.float() / temperature - lse[:, None]
+    d = torch.exp(logp) * -(grad[:, None] + grad_entropy[:, None] * (logp + entropy[:, None]))
+    d.scatter_add_(-1, targets[:, None], grad[:, None])
+    out.copy_(d / temperature)
+
+
+def _fused_backward(out: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor,
+                    grad: torch.Tensor, temperature: float) -> None:
+    # The same gradient as one elementwise expression (the target column by comparison, not a scatter), which
+    # torch.compile turns into one kernel writing `out` in place.
+    p = torch.exp(logits.float() / temperature - lse[:, None])
+    hit = torch.arange(logits.shape[-1], device=logits.device) == targets[:, None]
+    out.copy_(torch.where(hit, 1.0 - p, -p) * (grad[:, None] / temperature))
+
+
+def _fused_backward_entropy(out: torch.Tensor, logits: torch.Tensor, targets: torch.Tensor, lse: torch.Tensor,
+                            entropy: torch.Tensor, grad: torch.Tensor, grad_entropy: torch.Tensor,
+                            temperature: float) -> None:
+    logp = logits.float() / temperature - lse[:, None]
+    hit = torch.arange(logits.shape[-1], device=logits.device) == targets[:, None]
+    d = torch.where(hit, grad[:, None], 0.0) - torch.exp(logp) * (grad[:, None]
+                                                                  + grad_entropy[:, None] * (logp + entropy[:, None]))
+    out.copy_(d / temperature)
+
+
+@dataclass(frozen=True)
+class _Kernels:
+    forward: Callable  # (logits, targets, temperature) -> (logprobs, lse)
+    forward_entropy: Callable  # (logits, targets, temperature) -> (logprobs, lse, entropy)
+    backward: Callable  # (out, logits, targets, lse, grad, temperature) -> None, writes d/dlogits into out
+    backward_entropy: Callable  # (out, logits, targets, lse, entropy, grad, grad_entropy, temperature) -> None
+
+
+@functools.cache
+def _kernels(compiled: bool) -> _Kernels:
+    if not compiled:
+        return _Kernels(_chunk_forward, _chunk_forward_entropy, _chunk_backward, _chunk_backward_entropy)
+    return _Kernels(*(_rows_dynamic(torch.compile(k)) for k in (_chunk_forward, _chunk_forward_entropy,
+                                                                 _fused_backward, _fused_backward_entropy)))
+
+
+def _rows_dynamic(kernel):
+    """Compile the kernel for any row count but this vocabulary: with every size symbolic (dynamic=True) the
+    generated code divides by a runtime vocabulary size for each element and reads unvectorized."""
+
+    def call(*args):
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                torch._dynamo.mark_dynamic(a, 0)
+        return kernel(*args)
+
+    return call
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    """Outputs logprobs [N], or (logprobs, entropy) with `entropy`; saves the logits, targets, per-row
+    logsumexp (and entropy) and recomputes the softmax chunk by chunk in backward."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, temperature: float, kernels: _Kernels,
+                entropy: bool, chunk: int):
+        out = torch.empty(len(targets), dtype=torch.float32, device=logits.device)
+        lse = torch.empty_like(out)
+        ent = torch.empty_like(out) if entropy else None
+        for s in range(0, len(targets), chunk):
+            sl = slice(s, s + chunk)
+            if ent is None:
+                out[sl], lse[sl] = kernels.forward(logits[sl], targets[sl], temperature)
+            else:
+                out[sl], lse[sl], ent[sl] = kernels.forward_entropy(logits[sl], targets[sl], temperature)
+        ctx.temperature, ctx.kernels, ctx.chunk = temperature, kernels, chunk
+        ctx.set_materialize_grads(False)  # an output no gradient reaches gets None: no work for it in backward
+        if ent is None:
+            ctx.save_for_backward(logits, targets, lse)
+            return out
+        ctx.save_for_backward(logits, targets, lse, ent)
+        return out, ent
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor | None, grad_entropy: torch.Tensor | None = None):
+        logits, targets, lse, *ent = ctx.saved_tensors
+        if grad is None and grad_entropy is None:
+            return None, None, None, None, None, None
+        if grad is None:
+            grad = torch.zeros_like(lse)
+        grad_logits = torch.empty_like(logits)
+        k, t = ctx.kernels, ctx.temperature
+        for s in range(0, len(targets), ctx.chunk):
+            sl = slice(s, s + ctx.chunk)
+            if grad_entropy is None:
+                k.backward(grad_logits[sl], logits[sl], targets[sl], lse[sl], grad[sl], t)
+            else:
+                k.backward_entropy(grad_logits[sl], logits[sl], targets[sl], lse[sl], ent[0][sl], grad[sl],
+                                   grad_entropy[sl], t)
+        return grad_logits, None, None, None, None, None

@@ -1,0 +1,66 @@
+"""Inside vLLM: the worker extension the strategies' engine sides call, and loading named tensors into the model.
+
+vLLM mixes `WorkerExtension` into each of its worker processes (`worker_extension_cls`); collective_rpc calls its
+methods by name with plain arguments, so no pickled functions cross into the engine core.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+
+class WorkerExtension:
+    """`rayrl_connect` / `rayrl_receive` dispatch by strategy to its `WorkerReceiver` (rayrl.weight_sync.STRATEGIES)."""
+
+    _rayrl_receivers: dict | None = None  # strategy name -> its WorkerReceiver (vLLM never calls a mixin's __init__)
+
+    def rayrl_connect(self, strategy: str, *setup) -> None:
+        """Open `strategy`'s receiver in this worker (replacing an earlier one of that strategy)."""
+        from rayrl.weight_sync import STRATEGIES  # not at the top: the strategy modules import this one
+
+        if self._rayrl_receivers is None:
+            self._rayrl_receivers = {}
+        self._rayrl_receivers[strategy] = STRATEGIES[strategy].WorkerReceiver(self, *setup)
+
+    def rayrl_receive(self, strategy: str, *args):
+        """Load one sync's weights through `strategy`'s receiver; returns what it reports."""
+        rx = (self._rayrl_receivers or {}).get(strategy)
+        if rx is None:
+            raise RuntimeError(f"engine.weight_sync={strategy}: this worker never connected (rayrl_connect)")
+        return rx.receive(self, *args)
+
+
+def engine_llm(backend, strategy: str):
+    """The vLLM AsyncLLM behind an Engine's backend, through which its worker processes are reached."""
+    llm = getattr(backend, "llm", None)
+    if llm is None:
+        raise RuntimeError(f"engine.weight_sync={strategy} needs a started engine with engine.backend=vllm "
+                           f"(this one: {type(backend).__name__})")
+    return llm
+
+
+def load(worker, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> int:
+    """Load each bucket's (name, tensor) views into the worker's model, in place; returns the tensor count."""
+    from vllm.platforms import current_platform
+
+    model = worker.model_runner.get_model()
+    n = 0
+    if current_platform.is_cpu():
+        # The CPU build repacks some weights after loading (e.g. for its GEMM kernels): a plain load_weights
+        # cannot reach them. vLLM's layerwise reload re-runs that processing as each layer completes.
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+        initialize_layerwise_reload(model)
+        for bucket in buckets:
+            model.load_weights(bucket)
+            n += len(bucket)
+        finalize_layerwise_reload(model, worker.vllm_config.model_config)
+    else:
+        # GPU, unquantized: checkpoint format is the kernel format; load_weights copies each view into place.
+        for bucket in buckets:
+            model.load_weights(bucket)
+            n += len(bucket)
+        torch.cuda.synchronize()  # the buffer may be overwritten as soon as we return
+    return n
