@@ -1,9 +1,9 @@
-"""Log-probs and entropy of the sampled tokens from [N, V] logits, without a [N, V] fp32 tensor held for autograd.
+"""Log-probs and entropy of the sampled tokens, from [N, V] logits or — the lm_head fused — from [N, H] hidden states
+and the head's weight, without an [N, V] tensor held for autograd (fused: without one at all).
 
 `_TokenLogprobs` walks the rows `chunk` at a time (forward and backward); each chunk's arithmetic is one of the
-`_Kernels` below, eager or torch.compile'd. The chunk loop is the place to fuse the lm_head projection: compute a
-chunk's logits from its hidden states there, and its gradient into the hidden states and the weight in backward;
-the per-chunk kernels stay as they are. Plain torch, no Ray.
+`_Kernels` below, eager or torch.compile'd; fused, each chunk's logits are one GEMM before it, and its gradient two
+GEMMs after it. `LogprobHead` puts the fused path inside a transformers model, in place of its lm_head. Plain torch.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
     `compiled`: each chunk's arithmetic is one torch.compile'd function: the forward one reduction kernel, the
     backward one pointwise kernel that reads the logits once and writes the gradient in their dtype straight into
     its rows of the result (no fp32 [rows, V] intermediate, no scatter, no copy)."""
-    return _TokenLogprobs.apply(logits, targets, temperature, _kernels(compiled), False, chunk)
+    return _TokenLogprobs.apply(logits, None, targets, temperature, _kernels(compiled), False, chunk)
 
 
 def token_logprobs_entropy(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
@@ -34,7 +34,41 @@ def token_logprobs_entropy(logits: torch.Tensor, targets: torch.Tensor, temperat
     """`token_logprobs` and, from the same chunked pass, each row's entropy of softmax(logits / temperature)
     (verl's `entropy_from_logits`: logsumexp(x) - sum(softmax(x) * x)), both fp32 [N]. Backward takes gradients
     through either or both; with none reaching the entropy it is exactly `token_logprobs`' backward."""
-    return _TokenLogprobs.apply(logits, targets, temperature, _kernels(compiled), True, chunk)
+    return _TokenLogprobs.apply(logits, None, targets, temperature, _kernels(compiled), True, chunk)
+
+
+def hidden_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0,
+                    compiled: bool = False, entropy: bool = False, chunk: int = LOGPROB_CHUNK):
+    """`token_logprobs` (with `entropy`: `token_logprobs_entropy`) of the logits `hidden @ weight.T`, the lm_head
+    projection fused into the chunk loop: [N, H] hidden states and the [V, H] head weight in, no [N, V] tensor kept
+    (peak extra memory one [chunk, V] fp32 block), gradients into both."""
+    return _TokenLogprobs.apply(hidden, weight, targets, temperature, _kernels(compiled), entropy, chunk)
+
+
+class LogprobHead(torch.nn.Module):
+    """Takes the place of a causal LM's `lm_head` (holding the same `weight` Parameter, so state dicts, tied
+    embeddings and FSDP wrapping are unchanged). While `bind`-ed to the targets of a forward, it returns
+    [1, N, 1] log-probs (or [1, N, 2] with the entropy) from `hidden_logprobs` in place of [1, N, V] logits;
+    unbound it is the plain projection."""
+
+    def __init__(self, head: torch.nn.Linear, compiled: bool = False, chunk: int = LOGPROB_CHUNK):
+        super().__init__()
+        if getattr(head, "bias", None) is not None:
+            raise ValueError("LogprobHead: an lm_head with a bias is not supported")
+        self.weight = head.weight
+        self.compiled, self.chunk = compiled, chunk
+        self.targets: torch.Tensor | None = None
+        self.temperature, self.entropy = 1.0, False
+
+    def bind(self, targets: torch.Tensor | None, temperature: float = 1.0, entropy: bool = False) -> None:
+        self.targets, self.temperature, self.entropy = targets, temperature, entropy
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.targets is None:
+            return torch.nn.functional.linear(hidden, self.weight)
+        out = hidden_logprobs(hidden.reshape(-1, hidden.shape[-1]), self.weight, self.targets, self.temperature,
+                              self.compiled, self.entropy, self.chunk)
+        return torch.stack(out, -1)[None] if self.entropy else out[None, :, None]
 
 
 # --- per-chunk kernels: x = logits / temperature in fp32; d logprob / dx = onehot(target) - p,
@@ -120,43 +154,59 @@ def _rows_dynamic(kernel):
 
 
 class _TokenLogprobs(torch.autograd.Function):
-    """Outputs logprobs [N], or (logprobs, entropy) with `entropy`; saves the logits, targets, per-row
-    logsumexp (and entropy) and recomputes the softmax chunk by chunk in backward."""
+    """Outputs logprobs [N], or (logprobs, entropy) with `entropy`, from `x`: [N, V] logits (`weight` None), or [N, H]
+    hidden states whose logits are `x @ weight.T`, computed `chunk` rows at a time (the lm_head fused: no [N, V]
+    tensor at all). Saves x (and weight), targets, per-row logsumexp (and entropy); backward recomputes each chunk's
+    softmax (and, fused, its logits: one more [chunk, H] x [H, V] GEMM) and writes the chunk's gradient into the
+    logits' gradient, or through a [chunk, V] buffer into the hidden states' and the weight's gradients."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, temperature: float, kernels: _Kernels,
-                entropy: bool, chunk: int):
-        out = torch.empty(len(targets), dtype=torch.float32, device=logits.device)
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor | None, targets: torch.Tensor, temperature: float,
+                kernels: _Kernels, entropy: bool, chunk: int):
+        out = torch.empty(len(targets), dtype=torch.float32, device=x.device)
         lse = torch.empty_like(out)
         ent = torch.empty_like(out) if entropy else None
         for s in range(0, len(targets), chunk):
             sl = slice(s, s + chunk)
+            logits = x[sl] if weight is None else x[sl] @ weight.t()
             if ent is None:
-                out[sl], lse[sl] = kernels.forward(logits[sl], targets[sl], temperature)
+                out[sl], lse[sl] = kernels.forward(logits, targets[sl], temperature)
             else:
-                out[sl], lse[sl], ent[sl] = kernels.forward_entropy(logits[sl], targets[sl], temperature)
-        ctx.temperature, ctx.kernels, ctx.chunk = temperature, kernels, chunk
+                out[sl], lse[sl], ent[sl] = kernels.forward_entropy(logits, targets[sl], temperature)
+        ctx.temperature, ctx.kernels, ctx.chunk, ctx.fused = temperature, kernels, chunk, weight is not None
         ctx.set_materialize_grads(False)  # an output no gradient reaches gets None: no work for it in backward
+        saved = (x, weight if weight is not None else x, targets, lse)
         if ent is None:
-            ctx.save_for_backward(logits, targets, lse)
+            ctx.save_for_backward(*saved)
             return out
-        ctx.save_for_backward(logits, targets, lse, ent)
+        ctx.save_for_backward(*saved, ent)
         return out, ent
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor | None, grad_entropy: torch.Tensor | None = None):
-        logits, targets, lse, *ent = ctx.saved_tensors
+        x, weight, targets, lse, *ent = ctx.saved_tensors
+        none = (None,) * 6
         if grad is None and grad_entropy is None:
-            return None, None, None, None, None, None
+            return None, *none
         if grad is None:
             grad = torch.zeros_like(lse)
-        grad_logits = torch.empty_like(logits)
         k, t = ctx.kernels, ctx.temperature
+        grad_x = torch.empty_like(x)
+        if ctx.fused:
+            grad_w = None  # summed over chunks in fp32 (each chunk's GEMM in the weight's dtype)
+            buf = torch.empty(min(ctx.chunk, len(targets)), weight.shape[0], dtype=weight.dtype, device=x.device)
         for s in range(0, len(targets), ctx.chunk):
             sl = slice(s, s + ctx.chunk)
+            logits = x[sl] if not ctx.fused else x[sl] @ weight.t()
+            d = grad_x[sl] if not ctx.fused else buf[:len(logits)]
             if grad_entropy is None:
-                k.backward(grad_logits[sl], logits[sl], targets[sl], lse[sl], grad[sl], t)
+                k.backward(d, logits, targets[sl], lse[sl], grad[sl], t)
             else:
-                k.backward_entropy(grad_logits[sl], logits[sl], targets[sl], lse[sl], ent[0][sl], grad[sl],
-                                   grad_entropy[sl], t)
-        return grad_logits, None, None, None, None, None
+                k.backward_entropy(d, logits, targets[sl], lse[sl], ent[0][sl], grad[sl], grad_entropy[sl], t)
+            if ctx.fused:
+                grad_x[sl] = d @ weight
+                part = d.t() @ x[sl]
+                grad_w = part.float() if grad_w is None else grad_w.add_(part)
+        if not ctx.fused:
+            return grad_x, *none
+        return grad_x, grad_w.to(weight.dtype), *none[1:]

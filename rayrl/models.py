@@ -145,9 +145,11 @@ def qwen_tokenizer():
     return out
 
 
-def make_model(shape: str, target: str, dtype: str = "bfloat16", seed: int = 0) -> str:
+def make_model(shape: str, target: str, dtype: str = "bfloat16", seed: int = 0, tie: bool | None = None,
+               device: str = "cpu") -> str:
     """A random-init model of a seed shape (`SHAPES`) with Qwen's tokenizer, written atomically to `target`.
-    Built directly in `dtype` (bf16: 8 GB of RAM for the 4B shape, 15 GB for the 7B)."""
+    Built directly in `dtype` on `device` (bf16: 8 GB for the 4B shape, 15 GB for the 7B); `tie` overrides the
+    shape's tie_word_embeddings (e.g. an untied 4B to compare against the released, tied layout)."""
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config, Qwen3Config
 
@@ -155,12 +157,14 @@ def make_model(shape: str, target: str, dtype: str = "bfloat16", seed: int = 0) 
         raise ValueError(f"unknown model shape {shape!r}; known: {', '.join(SHAPES)}")
     kw = dict(SHAPES[shape])
     arch = kw.pop("arch")
+    if tie is not None:
+        kw["tie_word_embeddings"] = tie
     tok = qwen_tokenizer()
     cls = Qwen3Config if arch == "qwen3" else Qwen2Config
     cfg = cls(**kw, rms_norm_eps=1e-6, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
               bos_token_id=tok.convert_tokens_to_ids("<|endoftext|>"), torch_dtype=dtype)
     torch.manual_seed(seed)
-    with torch.device("cpu"):
+    with torch.device(device):
         torch.set_default_dtype(getattr(torch, dtype))
         try:
             model = AutoModelForCausalLM.from_config(cfg)

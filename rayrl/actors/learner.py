@@ -23,7 +23,7 @@ from rayrl import algos, attention, weight_sync
 from rayrl.batching import token_budget_bins
 from rayrl.config import Config
 from rayrl.export import write_hf
-from rayrl.logprobs import token_logprobs, token_logprobs_entropy
+from rayrl.logprobs import LogprobHead, token_logprobs, token_logprobs_entropy
 from rayrl.types import StepStats, TrainBatch
 
 
@@ -73,12 +73,11 @@ class Learner:
         flash = dtype in (torch.bfloat16, torch.float16)  # the flash kernel has no fp32; sdpa masks packed rows then
         attn = attention.register() if self.use_cuda and self.cfg.learner.pack and flash else None
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32, attn_implementation=attn)
-        if model.config.tie_word_embeddings:
-            raise ValueError(f"model.path={self.model_path!r} has tied embeddings: engines cannot reload a tied "
-                             "lm_head; untie it (see rayrl.models.convert_smollm2)")
         if self.cfg.model.gradient_checkpointing:
             model.gradient_checkpointing_enable()
         model.config.use_cache = False
+        if self.cfg.learner.pack:  # the lm_head fused into the log-prob kernel: no [tokens x vocab] logits
+            model.lm_head = LogprobHead(model.lm_head, compiled=self.compiled)
         model.to(self.device)
         if self.compiled:  # the forward only: FSDP's hooks around it stay eager (torchtitan does the same)
             for layer in model.model.layers:
@@ -96,6 +95,8 @@ class Learner:
             ref = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32,
                                                        attn_implementation=attn).to(self.device).eval()
             ref.requires_grad_(False)
+            if self.cfg.learner.pack:
+                ref.lm_head = LogprobHead(ref.lm_head, compiled=self.compiled)
             for layer in ref.model.layers:
                 fully_shard(layer, mp_policy=mp)
             fully_shard(ref, mp_policy=mp)
@@ -132,6 +133,9 @@ class Learner:
         prompts, resps = [batch.prompt_ids[i] for i in idx], [batch.response_ids[i] for i in idx]
         plen, rlen = np.array([len(p) for p in prompts]), np.array([len(r) for r in resps])
         lengths = plen + rlen
+        targets = self._dev(np.fromiter(itertools.chain.from_iterable(resps), np.int64))
+        # temperature: the distribution the tokens were sampled from (verl's entropy is of that one too)
+        t = self.cfg.rollout.temperature
         # logits at position t predict token t+1: a response of n tokens after a prompt of p is predicted by
         # [p-1, p+n-1)
         if self.cfg.learner.pack:
@@ -146,10 +150,16 @@ class Learner:
             cu = self._dev(bounds, torch.int32)
             varlen = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": int(lengths.max()),
                       "max_length_k": int(lengths.max())}
-            # logits_to_keep: the lm_head runs on the response-predicting positions only, [N_resp, V] not [T, V].
+            # logits_to_keep: the lm_head runs on the response-predicting positions only, and it is a LogprobHead
+            # bound to their targets: the model's "logits" are the log-probs (and entropies), [N_resp, 1 or 2].
             # use_cache=False: with a KV cache transformers ignores the packing (the reference model keeps use_cache).
-            logits = model(input_ids=self._dev(ids[None]), position_ids=self._dev(_aranges(lengths)[None]),
-                           logits_to_keep=self._dev(keep), use_cache=False, **varlen).logits[0]
+            model.lm_head.bind(targets, t, entropy)
+            try:
+                out = model(input_ids=self._dev(ids[None]), position_ids=self._dev(_aranges(lengths)[None]),
+                            logits_to_keep=self._dev(keep), use_cache=False, **varlen).logits[0]
+            finally:
+                model.lm_head.bind(None)
+            lp, ent = out[:, 0], (out[:, 1] if entropy else None)
         else:  # right-padded to the longest sequence, full logits (the pre-packing path, kept for comparison)
             ids = np.zeros((len(idx), lengths.max()), dtype=np.int64)
             for j, (p, r) in enumerate(zip(prompts, resps, strict=True)):
@@ -158,13 +168,10 @@ class Learner:
             rows, cols = np.repeat(np.arange(len(idx)), rlen), np.repeat(plen - 1, rlen) + _aranges(rlen)
             logits = model(input_ids=self._dev(ids), attention_mask=self._dev(attn)).logits[self._dev(rows),
                                                                                               self._dev(cols)]
-        targets = self._dev(np.fromiter(itertools.chain.from_iterable(resps), np.int64))
-        # temperature: the distribution the tokens were sampled from (verl's entropy is of that one too)
-        t = self.cfg.rollout.temperature
-        if entropy:
-            lp, ent = token_logprobs_entropy(logits, targets, t, compiled=self.compiled)
-        else:
-            lp, ent = token_logprobs(logits, targets, t, compiled=self.compiled), None
+            if entropy:
+                lp, ent = token_logprobs_entropy(logits, targets, t, compiled=self.compiled)
+            else:
+                lp, ent = token_logprobs(logits, targets, t, compiled=self.compiled), None
         t_resp = int(rlen.max())
         where = (self._dev(np.repeat(np.arange(len(idx)), rlen)), self._dev(_aranges(rlen)))
 

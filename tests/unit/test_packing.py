@@ -181,3 +181,41 @@ def test_one_rank_accumulates_gradients_like_per_micro_batch_reduction(make_lear
         torch.testing.assert_close(g, want[n], atol=1e-6, rtol=1e-5, msg=n)
     # the next step re-gathers the updated weights: both learners still agree after their optimizer steps
     assert fast.compute_logprobs(batch) == plain.compute_logprobs(batch)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_fused_head_matches_float64_projection(compiled):
+    """The lm_head fused into the chunked kernel: log-probs, entropy and the gradients into the hidden states AND
+    the head weight equal log_softmax over the full float64 logits, across several chunks."""
+    from rayrl.logprobs import hidden_logprobs
+
+    g = torch.Generator().manual_seed(3)
+    n, h, v, temp = 23, 16, 61, 0.7
+    hidden = torch.randn(n, h, generator=g).requires_grad_()
+    weight = torch.randn(v, h, generator=g).requires_grad_()
+    targets = torch.randint(0, v, (n,), generator=g)
+    w_lp, w_ent = torch.randn(n, generator=g), torch.randn(n, generator=g)
+    lp, ent = hidden_logprobs(hidden, weight, targets, temp, compiled=compiled, entropy=True, chunk=7)
+    ((lp * w_lp).sum() + (ent * w_ent).sum()).backward()
+    hd, wd = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    ls = ((hd @ wd.t()) / temp).log_softmax(-1)
+    ref_lp, ref_ent = ls.gather(-1, targets[:, None])[:, 0], -(ls.exp() * ls).sum(-1)
+    ((ref_lp * w_lp).sum() + (ref_ent * w_ent).sum()).backward()
+    assert torch.allclose(lp.double(), ref_lp, atol=1e-5) and torch.allclose(ent.double(), ref_ent, atol=1e-4)
+    assert torch.allclose(hidden.grad.double(), hd.grad, atol=1e-4)
+    assert torch.allclose(weight.grad.double(), wd.grad, atol=1e-4)
+
+
+def test_logprob_head_keeps_the_parameter_and_is_plain_when_unbound():
+    from rayrl.logprobs import LogprobHead
+
+    lin = torch.nn.Linear(8, 30, bias=False)
+    head = LogprobHead(lin, chunk=4)
+    assert head.weight is lin.weight and list(dict(head.named_parameters())) == ["weight"]
+    x = torch.randn(1, 5, 8)
+    assert torch.equal(head(x), lin(x))  # unbound: the projection
+    targets = torch.randint(0, 30, (5,))
+    head.bind(targets, 1.0, entropy=True)
+    out = head(x)
+    assert out.shape == (1, 5, 2)
+    assert torch.allclose(out[0, :, 0], lin(x)[0].log_softmax(-1).gather(-1, targets[:, None])[:, 0], atol=1e-6)

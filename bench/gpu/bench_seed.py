@@ -1,0 +1,88 @@
+"""Seed scale on one GPU (issue #14): the learner on the seed shapes at the seed lengths, one case per process.
+
+    python bench/gpu/bench_seed.py CASE [--out DIR] [--label CODE]      CASE: shape:tie:ckpt:compile[:budget]
+    e.g. qwen3-4b:tied:ckpt:compile   qwen3-4b:untied:nockpt:eager   qwen2.5-7b:-:ckpt:compile:18432
+
+Random-init models of each shape (rayrl.models.make_model, built on the GPU, Qwen's tokenizer) train on 4 sequences
+of 2,048 prompt + 14,336 response tokens (random tokens, advantages +-1) in packed rows of at most `budget` tokens
+(default 18,432: one sequence per micro-batch), bf16 compute over fp32 master weights, AdamW. One warm-up step
+(compilation), then 3 timed steps: tok/s, MFU (bench_engine.train_throughput's FLOP count: 6 x body params x tokens
++ 6 x lm_head x response tokens + causal attention), peak GiB (torch.cuda.max_memory_allocated). An out-of-memory is a
+result: it is recorded with the peak and where it happened. Appends one JSON line to OUT/seed.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_engine import train_throughput
+
+LENGTHS = [2048 + 14336] * 4
+PROMPT = 2048
+
+
+def model_dir(shape: str, tie: str) -> str:
+    from rayrl.models import make_model
+
+    target = os.path.join(os.environ.get("RAYRL_CACHE", "/tmp/rayrl-cache"), f"{shape}-{tie}")
+    if not os.path.exists(os.path.join(target, "COMPLETE")):
+        t0 = time.perf_counter()
+        make_model(shape, target, tie={"tied": True, "untied": False}.get(tie),
+                   device="cuda" if torch.cuda.is_available() else "cpu")
+        print(f"made {target} in {time.perf_counter() - t0:.0f}s", flush=True)
+        torch.cuda.empty_cache()
+    return target
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("case")
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--label", default="HEAD")
+    ap.add_argument("--lengths", default="", help="prompt+response,...: other lengths (a CPU smoke run)")
+    args = ap.parse_args()
+    global LENGTHS, PROMPT
+    if args.lengths:
+        LENGTHS = [sum(map(int, x.split("+"))) for x in args.lengths.split(",")]
+        PROMPT = int(args.lengths.split(",")[0].split("+")[0])
+    shape, tie, ckpt, kind, *rest = args.case.split(":")
+    budget = int(rest[0]) if rest else 18432
+    from rayrl.actors.learner import Learner
+    from rayrl.config import load_config
+
+    path = model_dir(shape, tie)
+    gpu = int(torch.cuda.is_available())
+    cfg = load_config(None, [f"model.path={path}", "model.dtype=bfloat16", f"learner.gpus_per_worker={gpu}",
+                             "learner.lr=1e-6", "learner.pack=true", f"learner.max_tokens_per_micro_batch={budget}",
+                             f"learner.compile={kind == 'compile'}", f"model.gradient_checkpointing={ckpt == 'ckpt'}",
+                             f"data.max_prompt_length={PROMPT}", f"rollout.max_response_length={LENGTHS[0] - PROMPT}"],
+                      check_files=False)
+    rec = {"case": args.case, "code": args.label, "shape": shape, "tie": tie, "ckpt": ckpt == "ckpt",
+           "compile": kind == "compile", "budget": budget, "lengths": LENGTHS}
+    try:
+        ln = Learner(path, cfg)
+        rec["params"] = ln.setup()
+        rec["tied_after_setup"] = ln.model.lm_head.weight is ln.model.model.embed_tokens.weight
+        rec.update(train_throughput(ln, LENGTHS, PROMPT, 151_643))
+    except torch.OutOfMemoryError as e:
+        rec.update(error="out of memory", peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30,
+                   where=traceback.format_exc().strip().splitlines()[-3:], detail=str(e)[:300])
+    except Exception as e:
+        rec.update(error=repr(e)[:600], where=traceback.format_exc().strip().splitlines()[-6:])
+    line = json.dumps(rec, default=str)
+    print("SEED " + line, flush=True)
+    with open(os.path.join(args.out, "seed.jsonl"), "a") as f:
+        f.write(line + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
