@@ -23,7 +23,7 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_engine import train_throughput
+from bench_engine import train_throughput  # the same FLOP count and timing as the 0.5B learner part
 
 LENGTHS = [2048 + 14336] * 4
 PROMPT = 2048
@@ -63,7 +63,8 @@ def main() -> int:
     cfg = load_config(None, [f"model.path={path}", "model.dtype=bfloat16", f"learner.gpus_per_worker={gpu}",
                              "learner.lr=1e-6", "learner.pack=true", f"learner.max_tokens_per_micro_batch={budget}",
                              f"learner.compile={kind == 'compile'}", f"model.gradient_checkpointing={ckpt == 'ckpt'}",
-                             f"data.max_prompt_length={PROMPT}", f"rollout.max_response_length={LENGTHS[0] - PROMPT}"],
+                             f"data.max_prompt_length={PROMPT}", f"rollout.max_response_length={LENGTHS[0] - PROMPT}",
+                             f"engine.max_model_len={LENGTHS[0]}"],
                       check_files=False)
     rec = {"case": args.case, "code": args.label, "shape": shape, "tie": tie, "ckpt": ckpt == "ckpt",
            "compile": kind == "compile", "budget": budget, "lengths": LENGTHS}
@@ -75,7 +76,7 @@ def main() -> int:
     except torch.OutOfMemoryError as e:
         rec.update(error="out of memory", peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30,
                    where=traceback.format_exc().strip().splitlines()[-3:], detail=str(e)[:300])
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - recorded in the case's line
         rec.update(error=repr(e)[:600], where=traceback.format_exc().strip().splitlines()[-6:])
     line = json.dumps(rec, default=str)
     print("SEED " + line, flush=True)
