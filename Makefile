@@ -7,10 +7,12 @@ install:
 train: install
 	rayrl train
 
+# Lint (rules in pyproject.toml), then the unit tests (seconds to minutes), then those that start Ray, vLLM, a
+# `ray start` cluster or a GPU; chosen by marker (tests/conftest.py marks every other test `unit`).
 test: install
-	ruff check --select F,E9 rayrl tests bench examples  # undefined names, unused imports, syntax
-	python -m pytest -q -ra tests/unit
-	python -m pytest -q -ra tests/integration tests/e2e tests/gpu
+	ruff check rayrl tests bench examples
+	python -m pytest -q -ra -m unit
+	python -m pytest -q -ra -m "integration or e2e or gpu"
 
 bench: install
 	python bench/queue_vs_redis.py

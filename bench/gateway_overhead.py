@@ -36,7 +36,8 @@ TARGET = 0.95  # gateway / direct
 
 def prompts(n: int) -> list[list[dict]]:
     system = "Solve the arithmetic problem. End your reply with the final answer as <answer>NUMBER</answer>."
-    return [[{"role": "system", "content": system}, {"role": "user", "content": f"What is {i * 7 % 97} + {i * 13 % 89}?"}]
+    return [[{"role": "system", "content": system},
+             {"role": "user", "content": f"What is {i * 7 % 97} + {i * 13 % 89}?"}]
             for i in range(n)]
 
 
@@ -93,7 +94,8 @@ def main() -> None:
     cfg = load_config(None, [f"model.path={model}", "gateway.port=0", "engine.max_num_seqs=64"])
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
     threads = {"runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(os.cpu_count() or 1)}}}
-    engine = EngineActor.options(num_cpus=1, max_concurrency=1000, **threads).remote(model, cfg.engine, cfg.model.dtype, 0)
+    engine = EngineActor.options(num_cpus=1, max_concurrency=1000, **threads).remote(model, cfg.engine,
+                                                                                  cfg.model.dtype, 0)
     gateway = None
     try:
         ray.get(engine.start.remote(), timeout=600)

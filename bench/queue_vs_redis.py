@@ -69,7 +69,7 @@ def drive(put: Callable[[list[Task]], None], get: Callable[[], list], tasks: lis
         try:
             for c in chunks(tasks, batch):
                 put(c)
-        except BaseException as e:  # surfaced below, not lost in the thread
+        except BaseException as e:  # noqa: BLE001 - surfaced below, not lost in the thread
             errors.append(e)
 
     seen: set[str] = set()

@@ -38,7 +38,7 @@ def pct(xs: list[float], q: float) -> float:
 def bare(flags: list[str], code: str, runs: int, conc: int) -> tuple[list[float], float]:
     env = {"PATH": "/usr/bin:/bin"}
     if "-S" in flags:  # -S drops site-packages: give numpy back the way the pool does
-        import sysconfig  # noqa: PLC0415
+        import sysconfig
 
         env["PYTHONPATH"] = sysconfig.get_paths()["purelib"]
     lat = []
@@ -89,20 +89,20 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=os.cpu_count() or 1)
     a = ap.parse_args()
     cores = os.cpu_count() or 1
-    print(f"cores={cores} runs={a.runs} concurrency={a.concurrency} python={sys.version.split()[0]} "  # noqa: T201
+    print(f"cores={cores} runs={a.runs} concurrency={a.concurrency} python={sys.version.split()[0]} "
           f"isolation={SandboxPool().isolation}")
-    print(f"{'snippet':8} {'peer':12} {'p50 ms':>8} {'p99 ms':>8} {'exec/s':>8} {'/core':>7}")  # noqa: T201
+    print(f"{'snippet':8} {'peer':12} {'p50 ms':>8} {'p99 ms':>8} {'exec/s':>8} {'/core':>7}")
     for name, code in SNIPPETS.items():
         rows = {"bare": bare([], code, a.runs, a.concurrency), "bare -S": bare(["-S"], code, a.runs, a.concurrency),
                 "pool": pool({}, code, a.runs, a.concurrency),
                 "pool spawn": pool({"zygote": False}, code, a.runs, a.concurrency),
                 "pool no-ns": pool({"namespaces": "off"}, code, a.runs, a.concurrency)}
         for peer, (lat, rate, *_) in rows.items():
-            print(f"{name:8} {peer:12} {1000 * statistics.median(lat):8.1f} {1000 * pct(lat, 0.99):8.1f} "  # noqa: T201
+            print(f"{name:8} {peer:12} {1000 * statistics.median(lat):8.1f} {1000 * pct(lat, 0.99):8.1f} "
                   f"{rate:8.1f} {rate / cores:7.1f}")
         ratio = statistics.median(rows["pool"][0]) / statistics.median(rows["bare"][0])
         speedup = rows["pool"][1] / rows["pool spawn"][1]
-        print(f"{name:8} pool p50 / bare p50 = {ratio:.2f}; pool exec/s / pool spawn exec/s = {speedup:.2f}; "  # noqa: T201
+        print(f"{name:8} pool p50 / bare p50 = {ratio:.2f}; pool exec/s / pool spawn exec/s = {speedup:.2f}; "
               f"first run (warm-up of {a.concurrency} slots) pool {1000 * rows['pool'][2]:.0f} ms, "
               f"pool spawn {1000 * rows['pool spawn'][2]:.0f} ms")
 

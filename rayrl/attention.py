@@ -50,7 +50,8 @@ def kernel_takes_gqa() -> bool:
             out.float().square().sum().backward()
             results.append((out, qq.grad, kk.grad, vv.grad))
         # the same math up to bf16 rounding (a wrong head mapping is off by the size of the values)
-        return all(((a.float() - b.float()).norm() / b.float().norm()).item() < 2e-2 for a, b in zip(*results))
+        return all(((a.float() - b.float()).norm() / b.float().norm()).item() < 2e-2
+                   for a, b in zip(*results, strict=True))
     except Exception:  # noqa: BLE001 - any failure means: repeat the kv heads
         return False
 
@@ -100,7 +101,7 @@ def _reference(q, k, v, cu, scale: float | None) -> torch.Tensor:
     bounds = cu.tolist()
     return torch.cat([F.scaled_dot_product_attention(*(t[s:e].transpose(0, 1) for t in (q, k, v)), is_causal=True,
                                                      scale=scale).transpose(0, 1)
-                      for s, e in zip(bounds[:-1], bounds[1:])])
+                      for s, e in zip(bounds[:-1], bounds[1:], strict=True)])
 
 
 def _no_mask(*args, **kwargs) -> None:

@@ -130,7 +130,7 @@ def _parse_fallback(text: str) -> tuple[str | None, list[dict], str | None]:
         try:
             obj = json.loads(raw)
             if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-                raise ValueError("a tool call must be a JSON object with a string 'name'")  # noqa: TRY004
+                raise ValueError("a tool call must be a JSON object with a string 'name'")
             args = obj.get("arguments", {})
         except ValueError as e:  # JSONDecodeError is a ValueError
             return text, [], f"tool call {i}: {type(e).__name__}: {e}: {raw.strip()[:200]!r}"

@@ -37,11 +37,13 @@ def connect(cfg: Config) -> None:
         return
     address = cfg.trainer.ray_address or os.environ.get("RAY_ADDRESS")
     if address and not _reachable(address):
-        raise ConnectionError(f"no Ray cluster at {address} (from {'trainer.ray_address' if cfg.trainer.ray_address else 'RAY_ADDRESS'}); "
+        source = "trainer.ray_address" if cfg.trainer.ray_address else "RAY_ADDRESS"
+        raise ConnectionError(f"no Ray cluster at {address} (from {source}); "
                               "start one with `ray start --head`, or unset it to run on a local Ray")
     # Actors mostly wait on each other: a local cluster gets more CPU slots than cores.
     num_cpus = None if address else (cfg.trainer.ray_num_cpus or max(8, 4 * (os.cpu_count() or 2)))
-    ray.init(address=address, num_cpus=num_cpus, namespace=f"rayrl-{cfg.trainer.experiment_name}-{uuid.uuid4().hex[:6]}",
+    namespace = f"rayrl-{cfg.trainer.experiment_name}-{uuid.uuid4().hex[:6]}"
+    ray.init(address=address, num_cpus=num_cpus, namespace=namespace,
              include_dashboard=None if address else False, log_to_driver=True,
              runtime_env={"env_vars": {"RAY_DEDUP_LOGS": "1"}} if not address else None)
 
@@ -143,14 +145,16 @@ def start(cfg: Config, model_path: str) -> Actors:
                                  resources=cfg.placement.reward_resources).remote(
         cfg.reward.fn, cfg.reward.timeout, cfg.reward.num_procs)
     e = cfg.engine
-    engines = [EngineActor.options(name=f"rayrl/engine/{i}", num_cpus=1, num_gpus=e.gpus_per_engine, max_concurrency=1000,
-                                   resources=cfg.placement.engine_resources, **_in(groups, "engine", i),
-                                   **_env(all_cores=e.gpus_per_engine == 0))
-               .remote(model_path, e, cfg.model.dtype, cfg.trainer.seed + i, f"engine/{i}") for i in range(e.num_engines)]
+    engines = [EngineActor.options(name=f"rayrl/engine/{i}", num_cpus=1, num_gpus=e.gpus_per_engine,
+                                   max_concurrency=1000, resources=cfg.placement.engine_resources,
+                                   **_in(groups, "engine", i), **_env(all_cores=e.gpus_per_engine == 0))
+               .remote(model_path, e, cfg.model.dtype, cfg.trainer.seed + i, f"engine/{i}")
+               for i in range(e.num_engines)]
     lc = cfg.learner
     learners = [LearnerActor.options(name=f"rayrl/learner/{r}", num_cpus=1, num_gpus=lc.gpus_per_worker,
                                       resources=cfg.placement.learner_resources, **_in(groups, "learner", r),
-                                      **_env(all_cores=lc.gpus_per_worker == 0)).remote(model_path, cfg, r, lc.num_workers)
+                                      **_env(all_cores=lc.gpus_per_worker == 0))
+                .remote(model_path, cfg, r, lc.num_workers)
                 for r in range(lc.num_workers)]
     sb = cfg.sandbox
     sandboxes = [SandboxActor.options(name=f"rayrl/sandbox/{i}", num_cpus=sb.cpus_per_actor, max_concurrency=1000,

@@ -439,7 +439,7 @@ def check_callable(spec: str, name: str) -> Any:
 
 
 def _check_gym(src: str, name: str) -> None:
-    import reasoning_gym  # noqa: PLC0415 - heavy, only when a gym source is used
+    import reasoning_gym  # heavy, only when a gym source is used
 
     task = src.split(":", 1)[1]
     known = set(reasoning_gym.factory.DATASETS)

@@ -53,7 +53,7 @@ def load_rows(source: str, size: int, seed: int, gym_kwargs: dict[str, Any] | No
 # --- reasoning-gym -----------------------------------------------------------------------------
 
 def _gym_rows(task: str, size: int, seed: int, gym_kwargs: dict[str, Any], system_prompt: str | None) -> list[Row]:
-    import reasoning_gym  # noqa: PLC0415 - heavy, only for gym sources
+    import reasoning_gym  # heavy, only for gym sources
 
     if task not in reasoning_gym.factory.DATASETS:
         raise ValueError(f"reasoning_gym:{task}: unknown reasoning-gym task {task!r}")
@@ -78,7 +78,7 @@ def _read_records(path: str) -> Iterator[tuple[int, Any]]:
     """(row number, record) pairs; row numbers are 1-based (the line number for .jsonl)."""
     name = path  # errors name the file as the config gave it
     if path.endswith(".parquet"):
-        import pyarrow.parquet as pq  # noqa: PLC0415
+        import pyarrow.parquet as pq
 
         try:
             records = pq.read_table(path).to_pylist()  # plain lists and dicts, no numpy arrays

@@ -30,15 +30,18 @@ def export_hf(ckpt: str, out_dir: str, model: str = "smollm2") -> str:
 def write_hf(state: dict, base: str, out_dir: str) -> str:
     """Write `state` (full tensors by parameter name) as `out_dir`/model.safetensors beside the config, tokenizer,
     chat template and generation config (when it has one) of the base model folder `base`. Staged in a sibling
-    folder and renamed into place, replacing an older `out_dir`."""
+    folder and renamed into place, replacing an older `out_dir`. A tied model's lm_head is written once, as the
+    embedding (`untied_state`)."""
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
+    config = AutoConfig.from_pretrained(base)
+    state = untied_state(state, config)
     staging = out_dir + ".tmp"
     os.makedirs(staging, exist_ok=True)
     save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(staging, "model.safetensors"),
               metadata={"format": "pt"})
-    AutoConfig.from_pretrained(base).save_pretrained(staging)
+    config.save_pretrained(staging)
     AutoTokenizer.from_pretrained(base).save_pretrained(staging)
     try:
         GenerationConfig.from_pretrained(base).save_pretrained(staging)
@@ -48,3 +51,21 @@ def write_hf(state: dict, base: str, out_dir: str) -> str:
         shutil.rmtree(out_dir)
     os.rename(staging, out_dir)
     return out_dir
+
+
+def untied_state(state: dict, config) -> dict:
+    """`state` without the names that `config`'s model ties to another (tie_word_embeddings: `lm_head.weight` is
+    `model.embed_tokens.weight`), as Hugging Face saves a tied model; transformers and vLLM tie them back at load.
+    The tied names come from the model itself, built on the meta device (no memory). Raises if a tied pair holds
+    different values: that state was not trained tied."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rayrl.weight_sync.layout import aliases
+
+    with torch.device("meta"):
+        tied = aliases(AutoModelForCausalLM.from_config(config))
+    for alias, first in tied.items():
+        if alias in state and first in state and not torch.equal(state[alias], state[first]):
+            raise ValueError(f"{alias} differs from {first}, which the model config ties it to")
+    return {k: v for k, v in state.items() if k not in tied}

@@ -38,7 +38,8 @@ def dashboard(m: dict[str, float], run: str) -> None:
     if not _gauges:
         from ray.util.metrics import Gauge
 
-        _gauges.update({name: Gauge(name, description=help_, tag_keys=("run",)) for name, (_, help_) in DASHBOARD.items()})
+        _gauges.update({name: Gauge(name, description=help_, tag_keys=("run",))
+                        for name, (_, help_) in DASHBOARD.items()})
     for name, (key, _) in DASHBOARD.items():
         if key in m and m[key] is not None:
             _gauges[name].set(float(m[key]), tags={"run": run})
@@ -67,10 +68,11 @@ class StepLogger:
             try:
                 import wandb
             except ImportError:
-                raise RuntimeError("trainer.logger has 'wandb' but wandb is not installed (pip install wandb)") from None
+                raise RuntimeError("trainer.logger has 'wandb' but wandb is not installed "
+                                   "(pip install wandb)") from None
             # WANDB_MODE=offline works without an account; the run syncs later with `wandb sync`.
-            self.wandb = wandb.init(project="rayrl", name=name, config=run_config, dir=output_dir,
-                                    mode=os.environ.get("WANDB_MODE", "online" if os.environ.get("WANDB_API_KEY") else "offline"))
+            mode = os.environ.get("WANDB_MODE", "online" if os.environ.get("WANDB_API_KEY") else "offline")
+            self.wandb = wandb.init(project="rayrl", name=name, config=run_config, dir=output_dir, mode=mode)
 
     def log(self, step: int, m: dict[str, float]) -> None:
         self.jsonl.write(json.dumps({"step": step, **m}) + "\n")
@@ -126,7 +128,8 @@ def val_metrics(trajs: list) -> dict[str, float]:
             rewards = [t.reward if t.ok else 0.0 for t in g]
             means.append(sum(rewards) / len(rewards))
             bests.append(max(rewards))
-            votes = [(extract_answer(str(t.answer)) or str(t.answer), r) for t, r in zip(g, rewards) if t.ok]
+            votes = [(extract_answer(str(t.answer)) or str(t.answer), r)
+                     for t, r in zip(g, rewards, strict=True) if t.ok]
             top = Counter(a for a, _ in votes).most_common(1)
             majs.append(next(r for a, r in votes if a == top[0][0]) if top else 0.0)
         for name, vals in (("mean", means), ("pass", bests), ("maj", majs)):

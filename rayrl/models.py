@@ -16,7 +16,8 @@ SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # ChatML, as SmolLM2 and Qwen use; the tiny test model gets the same template.
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
-    "{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{% endif %}"
+    "{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{% endif %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + (message['content'] or '') + '<|im_end|>' + '\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
@@ -107,8 +108,9 @@ SHAPES: dict[str, dict] = {
                        num_attention_heads=28, num_key_value_heads=4, tie_word_embeddings=False,
                        rope_theta=1_000_000, max_position_embeddings=32_768, vocab_size=152_064),
     # CPU tests: Qwen3's layout (q/k norms, explicit head_dim) with tied embeddings, the real vocabulary, 2 layers.
+    # head_dim 32: the smallest vLLM's CPU attention supports (heads x head_dim > hidden, as in Qwen3-4B).
     "qwen3-tiny": dict(arch="qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=True,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=32, tie_word_embeddings=True,
                        rope_theta=1_000_000, max_position_embeddings=4096, vocab_size=151_936),
 }
 

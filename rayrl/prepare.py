@@ -135,8 +135,8 @@ def write(rows: list[dict[str, Any]], out: str) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     tmp = out + ".tmp"
     if out.endswith(".parquet"):
-        import pyarrow as pa  # noqa: PLC0415
-        import pyarrow.parquet as pq  # noqa: PLC0415
+        import pyarrow as pa
+        import pyarrow.parquet as pq
 
         pq.write_table(pa.Table.from_pylist(rows), tmp)
     elif out.endswith(".jsonl"):
@@ -172,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:
         print(f"rayrl data prepare: {e}", file=sys.stderr)
         return 2
-    print(f"wrote {len(rows)} rows to {args.output}")  # noqa: T201 - CLI output
+    print(f"wrote {len(rows)} rows to {args.output}")  # CLI output
     return 0
 
 

@@ -100,7 +100,7 @@ def _text(ground_truth: Any) -> str:
 def score_reasoning_gym(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None) -> float:
     """reasoning-gym's own `score_answer`, on `extract_answer(solution_str)` (the <answer> tag, else the last
     \\boxed{}, else the last number; the whole text when none is found)."""
-    import reasoning_gym  # noqa: PLC0415 - heavy
+    import reasoning_gym  # heavy
 
     entry = (extra_info or {}).get("entry")
     if entry is None:
@@ -115,7 +115,7 @@ def score_reasoning_gym(data_source: str, solution_str: str, ground_truth: Any, 
 
 def score_math_dapo(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None) -> float:
     """verl's math_dapo: +1.0 when "Answer: x" (or the last \\boxed{x}) matches, else -1.0."""
-    from verl.utils.reward_score import math_dapo  # noqa: PLC0415 - imports torch via verl/__init__
+    from verl.utils.reward_score import math_dapo  # imports torch via verl/__init__
 
     return as_score(math_dapo.compute_score(solution_str, _text(ground_truth)))
 
@@ -126,7 +126,7 @@ def score_math_verify(data_source: str, solution_str: str, ground_truth: Any, ex
     Called directly rather than through verl's wrapper, which runs its own process pool (pool
     workers are daemonic and may not have children) and turns every error into a silent 0.
     """
-    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify  # noqa: PLC0415
+    from math_verify import ExprExtractionConfig, LatexExtractionConfig, parse, verify
 
     # math-verify's own timeouts use signal.alarm, which only works in a main thread; elsewhere
     # the caller (the RewardActor's pool) enforces the time limit by killing the process.
@@ -145,7 +145,7 @@ def score_auto(data_source: str, solution_str: str, ground_truth: Any, extra_inf
     """reasoning_gym for "reasoning_gym/..." sources, else verl's default_compute_score by data_source."""
     if data_source.startswith("reasoning_gym"):
         return score_reasoning_gym(data_source, solution_str, ground_truth, extra_info)
-    from verl.utils.reward_score import default_compute_score  # noqa: PLC0415 - imports torch
+    from verl.utils.reward_score import default_compute_score  # imports torch
 
     # verl's math scorers call str methods on the ground truth; numbers from a jsonl file would crash
     # them. Other types (search-R1's {"target": [...]}) are passed through as verl expects them.
@@ -161,7 +161,7 @@ def score_custom(spec: str, data_source: str, solution_str: str, ground_truth: A
 
 @functools.cache
 def _custom(spec: str) -> Callable[..., Any]:
-    from rayrl.config import check_callable  # noqa: PLC0415 - keeps pool workers from importing yaml early
+    from rayrl.config import check_callable  # keeps pool workers from importing yaml early
 
     return check_callable(spec, "reward.fn")
 
@@ -183,7 +183,7 @@ def resolve_scorer(spec: str) -> Scorer:
     if spec in BUILTIN_SCORERS:
         return BUILTIN_SCORERS[spec]
     if ":" not in spec:
-        from rayrl.config import ConfigError  # noqa: PLC0415
+        from rayrl.config import ConfigError
 
         raise ConfigError(f"reward.fn={spec!r} must be one of {', '.join(BUILTIN_SCORERS)} or 'module:function'")
     _custom(spec)
@@ -210,12 +210,12 @@ def warm(spec: str) -> None:
     """
     try:
         if spec in ("reasoning_gym", "auto"):
-            import reasoning_gym  # noqa: F401, PLC0415
+            import reasoning_gym  # noqa: F401
         if spec in ("math_dapo", "auto"):
-            import verl.utils.reward_score  # noqa: F401, PLC0415
-            import verl.utils.reward_score.math_dapo  # noqa: F401, PLC0415
+            import verl.utils.reward_score
+            import verl.utils.reward_score.math_dapo  # noqa: F401
         if spec == "math_verify":
-            import math_verify  # noqa: F401, PLC0415
+            import math_verify  # noqa: F401
         _resolved(spec)
     except Exception:  # noqa: BLE001 - reported on the first score
         pass

@@ -38,7 +38,8 @@ def train(cfg: Config) -> dict:
     cluster.connect(cfg)
     check_cluster(cfg, ray.cluster_resources())
     d = cfg.data
-    data = DataIterator(load_rows(d.source, d.size, t.seed, d.gym_kwargs, d.system_prompt), t.batch_size, t.seed, d.shuffle)
+    rows = load_rows(d.source, d.size, t.seed, d.gym_kwargs, d.system_prompt)
+    data = DataIterator(rows, t.batch_size, t.seed, d.shuffle)
     val_rows = load_rows(d.val_source, d.val_size, t.seed + 1, d.gym_kwargs, d.system_prompt) if d.val_source else []
     actors, log, summary = None, None, {}
     if t.trace:
@@ -70,7 +71,8 @@ def train(cfg: Config) -> dict:
                 if (t.save_freq and step % t.save_freq == 0) or step == t.total_steps:
                     summary["checkpoint"] = save(cfg, actors, step, version, feeder.state_before(step))
                 m = step_metrics(trajs, groups, dropped, learn, t_rollout, sync_s, version, time.perf_counter() - t0)
-                m.update(phase_shares(trajs, w0, w0 + t_rollout, learn.get("time/learner_s", 0.0), sync_s, m["time/step_s"]))
+                m.update(phase_shares(trajs, w0, w0 + t_rollout, learn.get("time/learner_s", 0.0), sync_s,
+                                      m["time/step_s"]))
                 m.update(val)
                 log.log(step, m)
                 summary.update(step=step, metrics=m)
@@ -79,7 +81,8 @@ def train(cfg: Config) -> dict:
             ray.get([ln.export_hf.remote(hf_dir) for ln in actors.learners], timeout=cfg.learner.timeout)
             summary["hf"] = hf_dir
         log.info(f"done: {summary.get('step', step)} steps. checkpoint: {summary.get('checkpoint', '-')}  "
-                 f"Hugging Face model: {summary.get('hf', '-')}" + (f"  trace: {t.output_dir}/trace.json" if t.trace else ""))
+                 f"Hugging Face model: {summary.get('hf', '-')}"
+                 + (f"  trace: {t.output_dir}/trace.json" if t.trace else ""))
     finally:
         if log is not None:
             log.close()
@@ -131,7 +134,8 @@ def collect(cfg: Config, actors, expected: set[str], step: int,
         for tr in batch:  # keyed by task id: a trajectory can never count twice
             (got if tr.step == step else early.setdefault(tr.step, {}))[tr.task_id] = tr
         for wid in cluster.restart_dead_workers(actors, cfg):
-            print(f"rayrl: rollout worker {wid} died; its leases were re-queued and it was replaced", file=sys.stderr)
+            print(f"rayrl: rollout worker {wid} died; its leases were re-queued and it was replaced",  # noqa: T201
+                  file=sys.stderr)
     return list(got.values())
 
 
@@ -186,7 +190,8 @@ def resume(cfg: Config, actors, data: DataIterator) -> tuple[int, int]:
     data.load_state(state["data"])
     random.setstate(tuple(tuple(x) if isinstance(x, list) else x for x in state["python_rng"]))
     sync_weights(cfg, actors, state["policy_version"])
-    print(f"rayrl: resumed from {ckpt} (step {state['step']}, policy version {state['policy_version']})", file=sys.stderr)
+    print(f"rayrl: resumed from {ckpt} (step {state['step']}, policy version {state['policy_version']})",  # noqa: T201
+          file=sys.stderr)
     return state["step"], state["policy_version"]
 
 
@@ -199,13 +204,14 @@ def save(cfg: Config, actors, step: int, version: int, data_state: dict) -> str:
 
 
 def validate(cfg: Config, actors, rows: list, version: int) -> dict[str, float]:
-    """`trainer.val_n` samples per validation prompt with the current policy -> mean@n, pass@n, maj@n per data source."""
+    """`trainer.val_n` samples per validation prompt with the current policy -> mean@n, pass@n, maj@n per data
+    source."""
     vstep = -1 - version  # negative steps never collide with training steps in the queue
     t = cfg.trainer
     sampling = {k: v for k, v in (("temperature", t.val_temperature), ("top_p", t.val_top_p)) if v is not None}
     tasks = [Task(task_id=f"val{version}/p{i}/{k}", group_id=f"val{version}/p{i}", step=vstep, messages=r.messages,
-                  ground_truth=r.ground_truth, data_source=r.data_source, extra_info=r.extra_info, policy_version=version,
-                  sampling=sampling)
+                  ground_truth=r.ground_truth, data_source=r.data_source, extra_info=r.extra_info,
+                  policy_version=version, sampling=sampling)
              for i, r in enumerate(rows) for k in range(cfg.trainer.val_n)]
     with trace.span("validate", version=version):
         ray.get(actors.queue.put.remote(tasks), timeout=60)
@@ -249,10 +255,10 @@ def run(cfg: Config) -> int:
     try:
         train(cfg)
     except ConfigError as e:  # cluster-dependent checks (GPUs) fail after connecting
-        print(f"rayrl: config error: {e}", file=sys.stderr)
+        print(f"rayrl: config error: {e}", file=sys.stderr)  # noqa: T201 - the CLI's one-line error
         return 2
     except ConnectionError as e:
-        print(f"rayrl: {e}", file=sys.stderr)
+        print(f"rayrl: {e}", file=sys.stderr)  # noqa: T201 - the CLI's one-line error
         return 1
     return 0
 

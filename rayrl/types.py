@@ -52,7 +52,8 @@ class Trajectory:
     error: str | None = None  # set when the agent or the reward failed; the trajectory is then not trained on
     worker: str = ""
     # Spans inside the episode, for the trace (rayrl.trace): {"name": "llm" | "tool:<name>" | "sandbox" | "reward",
-    # "start": time.time(), "end": time.time(), "cat": optional str, "args": {e.g. "prompt_tokens", "completion_tokens"}}.
+    # "start": time.time(), "end": time.time(), "cat": optional str,
+    # "args": {e.g. "prompt_tokens", "completion_tokens"}}.
     # Wall-clock times; optional: without them the trace shows the episode as agent + reward from `timings`.
     events: list[dict[str, Any]] = field(default_factory=list)
 

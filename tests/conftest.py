@@ -1,4 +1,5 @@
-"""Shared fixtures: a tiny random Qwen2 (built once per session) and a local Ray cluster."""
+"""Shared fixtures: a tiny random Qwen2 (built once per session) and a local Ray cluster; every test that starts
+neither Ray nor a CLI job (no integration / e2e / gpu marker) is marked `unit`."""
 
 from __future__ import annotations
 
@@ -6,7 +7,25 @@ import os
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.helpers import ROOT
+
+NOT_UNIT = ("integration", "e2e", "gpu")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests are chosen by marker (`pytest -m unit`, `-m "integration or e2e or gpu"`), not by folder; `gpu` tests
+    skip themselves, saying so, where there is no CUDA GPU."""
+    cuda = None
+    for item in items:
+        if not any(item.get_closest_marker(m) for m in NOT_UNIT):
+            item.add_marker(pytest.mark.unit)
+        elif item.get_closest_marker("gpu"):
+            if cuda is None:
+                import torch
+
+                cuda = torch.cuda.is_available()
+            if not cuda:
+                item.add_marker(pytest.mark.skip(reason="needs a CUDA GPU (runs on the GPU host only)"))
 
 
 @pytest.fixture(scope="session")
@@ -16,24 +35,20 @@ def tiny_model(tmp_path_factory) -> str:
     return make_tiny_model(str(tmp_path_factory.mktemp("models") / "tiny-qwen2"))
 
 
+@pytest.fixture(scope="session")
+def tied_model(tmp_path_factory) -> str:
+    """A tiny random Qwen3 with tied embeddings and Qwen's vocabulary (models.make_model "qwen3-tiny", fp32); ~15 s."""
+    from rayrl.models import make_model
+
+    return make_model("qwen3-tiny", str(tmp_path_factory.mktemp("models") / "qwen3-tiny"), dtype="float32")
+
+
 @pytest.fixture(scope="module")
 def ray_cluster():
     import ray
 
-    # More CPU slots than cores: actors mostly wait. PYTHONPATH lets workers import tests.agents.
+    # More CPU slots than cores: actors mostly wait. PYTHONPATH lets workers import tests.helpers.
     ray.init(num_cpus=8, include_dashboard=False, namespace="rayrl-tests",
              runtime_env={"env_vars": {"PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}})
     yield
     ray.shutdown()
-
-
-def tiny_overrides(model: str, out: str, **extra) -> list[str]:
-    """A job sized for the tiny model on 2 cores: seconds per step."""
-    base = {"model.path": model, "trainer.output_dir": out, "trainer.batch_size": 4, "rollout.n": 4,
-            "rollout.max_response_length": 24, "engine.kv_cache_gb": 1, "engine.max_model_len": 512,
-            "data.size": 200, "data.max_prompt_length": 128, "learner.lr": 1e-3, "trainer.total_steps": 2,
-            # the random model never solves arithmetic: a reward its samples differ on gives GRPO real gradients
-            "reward.fn": "tests.helpers_rewards:digit_count", "rollout.temperature": 1.0,
-            "gateway.port": 0}  # any free port: tests may run next to a job holding 8001
-    base.update(extra)
-    return [f"{k}={v}" for k, v in base.items()]

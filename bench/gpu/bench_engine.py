@@ -54,7 +54,10 @@ def d2d_seconds(nbytes: int, reps: int = 20) -> float:
     ts = []
     for i in range(reps + 3):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(); dst.copy_(src); b.record(); torch.cuda.synchronize()
+        a.record()
+        dst.copy_(src)
+        b.record()
+        torch.cuda.synchronize()
         if i >= 3:
             ts.append(a.elapsed_time(b) / 1e3)
     del src, dst
@@ -89,7 +92,8 @@ def part_ceil(args) -> None:
     s.record()
     for _ in range(10):
         a @ b
-    e.record(); torch.cuda.synchronize()
+    e.record()
+    torch.cuda.synchronize()
     tflops = 10 * 2 * 8192**3 / (s.elapsed_time(e) / 1e3) / 1e12
     emit("ceil", d2d_TBps=2 * n / t / 1e12, matmul_bf16_TFLOPs=tflops, gpu=torch.cuda.get_device_name())
 
@@ -114,7 +118,8 @@ def part_vllm(args) -> None:
     t0 = time.perf_counter()
     llm = LLM(model=path, **_engine_args(args))
     start_s = time.perf_counter() - t0
-    llm.generate([TokensPrompt(prompt_token_ids=p) for p in ps[:64]], SamplingParams(**_sampling_kw(args)), use_tqdm=False)
+    llm.generate([TokensPrompt(prompt_token_ids=p) for p in ps[:64]], SamplingParams(**_sampling_kw(args)),
+                 use_tqdm=False)
     res = {}
     for name, sub, n in (("1024x1", ps, 1), ("128x8", ps[:128], 8)):
         sp = SamplingParams(n=n, **_sampling_kw(args))
@@ -165,7 +170,7 @@ async def logprob_agreement(eng, ln, ps) -> dict:
     gens = await _gen_all(eng, ps, 64)
     gens = [g for g in gens if g.token_ids]
     lp = ln.compute_logprobs(_batch([g.prompt_ids for g in gens], [g.token_ids for g in gens]))
-    d = [abs(a - b) for g, l in zip(gens, lp) for a, b in zip(g.logprobs, l)]
+    d = [abs(a - b) for g, lps in zip(gens, lp, strict=True) for a, b in zip(g.logprobs, lps, strict=True)]
     return {"max_abs": max(d), "mean_abs": sum(d) / len(d), "tokens": len(d)}
 
 
@@ -328,7 +333,8 @@ def profile_step(ln, b, name: str) -> dict:
     the top ops by input shape: what the copies copy). Returns the kind totals (ms) and the idle time."""
     import gzip
 
-    from torch.profiler import ProfilerActivity, profile as prof
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as prof
 
     with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as p:
         t1 = time.perf_counter()
@@ -357,7 +363,8 @@ def trace_summary(trace: list[dict]) -> tuple[str, dict]:
     correlation id), and the top kernels. `python bench_engine.py summary TRACE.json.gz` reads a stored one."""
     from collections import defaultdict
 
-    kernels = sorted((e for e in trace if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+    kernels = sorted((e for e in trace
+                      if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
                      key=lambda e: e["ts"])
     kinds: dict = defaultdict(lambda: [0.0, 0])
     top: dict = defaultdict(float)
@@ -375,7 +382,8 @@ def trace_summary(trace: list[dict]) -> tuple[str, dict]:
         if gap > 50:  # us
             idle += gap
             r = launches.get(e.get("args", {}).get("correlation"))
-            around = sorted((o for o in ops if r and o.get("tid") == r.get("tid") and o["ts"] <= r["ts"] <= o["ts"] + o["dur"]),
+            around = sorted((o for o in ops
+                             if r and o.get("tid") == r.get("tid") and o["ts"] <= r["ts"] <= o["ts"] + o["dur"]),
                             key=lambda o: o["dur"])
             blame[" < ".join(o["name"][:48] for o in around[:3]) or "(launch not found)"] += gap / 1e3
         end = max(end, e["ts"] + e["dur"])
@@ -383,12 +391,14 @@ def trace_summary(trace: list[dict]) -> tuple[str, dict]:
     busy = sum(v[0] for v in kinds.values())
     lines = [f"kernels from first to last {span:.0f} ms, of which kernels ran {busy:.0f} ms and the GPU sat idle "
              f"{idle / 1e3:.0f} ms in gaps > 50 us", "", "ms by kernel kind:"]
-    lines += [f"  {kind:18s} {ms:8.1f} ms {n:6d} kernels" for kind, (ms, n) in sorted(kinds.items(), key=lambda kv: -kv[1][0])]
+    lines += [f"  {kind:18s} {ms:8.1f} ms {n:6d} kernels"
+              for kind, (ms, n) in sorted(kinds.items(), key=lambda kv: -kv[1][0])]
     lines += ["", "idle before kernels launched by (innermost CPU ops):"]
     lines += [f"  {ms:7.1f} ms  {k}" for k, ms in sorted(blame.items(), key=lambda kv: -kv[1])[:15]]
     lines += ["", "top kernels:"]
     lines += [f"  {ms:7.1f} ms  {k}" for k, ms in sorted(top.items(), key=lambda kv: -kv[1])[:30]]
-    return "\n".join(lines) + "\n", {**{kind: round(v[0], 1) for kind, v in kinds.items()}, "idle": round(idle / 1e3, 1)}
+    return "\n".join(lines) + "\n", {**{kind: round(v[0], 1) for kind, v in kinds.items()},
+                                     "idle": round(idle / 1e3, 1)}
 
 
 def bench_lengths() -> list[int]:
@@ -437,7 +447,7 @@ def part_learner(args) -> None:
             ln.shutdown()
             del ln
             torch.cuda.empty_cache()
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - report and go on
             emit("learner", model="Qwen2.5-0.5B-shape", code=args.label, variant=kind, error=repr(e)[:600],
                  budget=budget)
 
@@ -497,10 +507,10 @@ def part_attn(args) -> None:
         try:
             got = fn()
             res[name + "_rel_diff"] = {n: ((a.float() - b.float()).norm() / b.float().norm()).item()
-                                       for n, a, b in zip(("out", "dq", "dk", "dv"), got, ref)}
+                                       for n, a, b in zip(("out", "dq", "dk", "dv"), got, ref, strict=True)}
             res[name + "_ms"] = timed(fn)
             res[name + "_tflops"] = flops / res[name + "_ms"] / 1e9
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - report and go on
             res[name + "_error"] = repr(e)[:300]
     emit("attn", **res)
 

@@ -13,7 +13,7 @@ n=${1:?N GPUs}; out=${2:?OUTDIR}; steps=${STEPS:-6}; mkdir -p "$out"
 python3 -c "import sys; sys.path.insert(0, 'bench/gpu'); from bench_engine import make_qwen05; from rayrl.models import resolve_model; print(make_qwen05('/tmp/rayrl-cache/qwen05-shape', resolve_model('smollm2')))"
 half=$(( n / 2 ))
 for model in retool qwen05; do
-  if [ $model = retool ]; then job=jobs/retool_tiny.yaml; extra=(rollout.agent_config.sandbox.max_concurrency=16)
+  if [ $model = retool ]; then job=jobs/retool_tiny.yaml; extra=(sandbox.max_concurrency=16)
   else job=jobs/quickstart.yaml; extra=(model.path=/tmp/rayrl-cache/qwen05-shape rollout.max_response_length=512); fi
   for layout in 1gpu coloc split; do
     case $layout in

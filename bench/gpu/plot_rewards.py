@@ -7,16 +7,18 @@ import sys
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 
-def main(src: str, dst: str, title: str = "SmolLM2-135M-Instruct, GRPO on reasoning-gym basic_arithmetic, one H200") -> None:
+def main(src: str, dst: str,
+         title: str = "SmolLM2-135M-Instruct, GRPO on reasoning-gym basic_arithmetic, one H200") -> None:
     rows = [json.loads(line) for line in open(src)]
     tr = [(r["step"], r["reward/mean"]) for r in rows if "reward/mean" in r]
     va = [(r["step"], r["val/reward_mean"]) for r in rows if "val/reward_mean" in r]
     fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
-    ax.plot(*zip(*tr), color="tab:blue", alpha=0.6, label="train reward (mean of 32 prompts x 8 samples)")
-    ax.plot(*zip(*va), "o-", color="tab:red", label="validation score (256 prompts generated with seed 2, 1 sample each)")
+    ax.plot(*zip(*tr, strict=True), color="tab:blue", alpha=0.6, label="train reward (mean of 32 prompts x 8 samples)")
+    ax.plot(*zip(*va, strict=True), "o-", color="tab:red",
+            label="validation score (256 prompts generated with seed 2, 1 sample each)")
     for s, v in (va[0], va[-1]):
         ax.annotate(f"{v:.3f}", (s, v), textcoords="offset points", xytext=(0, 8), ha="center", color="tab:red")
     ax.set_xlabel("step (policy version)")

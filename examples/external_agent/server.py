@@ -5,7 +5,8 @@ POST /run {"task": "..."} -> {"answer": "...", "turns": 2}: asks the model, then
 through the OpenAI SDK at $OPENAI_BASE_URL with $OPENAI_API_KEY. The Gateway binds these calls to the
 episode's session by their conversation prefix (the task text), since the URL and key are the same for all.
 
-    OPENAI_BASE_URL=http://127.0.0.1:8001/v1 OPENAI_API_KEY=sk-fixed python -m examples.external_agent.server --port 9100
+    OPENAI_BASE_URL=http://127.0.0.1:8001/v1 OPENAI_API_KEY=sk-fixed \
+        python -m examples.external_agent.server --port 9100
 """
 
 from __future__ import annotations

@@ -88,7 +88,8 @@ class Engine:
         try:
             await asyncio.wait_for(work, self.cfg.sync_timeout)
         except asyncio.TimeoutError:
-            raise TimeoutError(f"{self.name}: {what} timed out after engine.sync_timeout={self.cfg.sync_timeout:g}s") from None
+            raise TimeoutError(f"{self.name}: {what} timed out after "
+                               f"engine.sync_timeout={self.cfg.sync_timeout:g}s") from None
         if version is not None:
             self.version = version
         return time.perf_counter() - t0
@@ -113,7 +114,8 @@ class _VLLM:
         self.eng = eng
         # Reload through a safetensors file in RAM: on CPU, 0.9 s for SmolLM2 against 4-12 s when tensors are
         # serialised through collective_rpc (CPU.md); the engine core runs in its own process.
-        self.shm = tempfile.mkdtemp(prefix=f"rayrl-{os.getpid()}-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        self.shm = tempfile.mkdtemp(prefix=f"rayrl-{os.getpid()}-",
+                                    dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
 
     async def start(self) -> None:
         cfg = self.eng.cfg
@@ -167,7 +169,8 @@ class _VLLM:
         path = os.path.join(self.shm, "model.safetensors")
         await asyncio.to_thread(save_file, state, path)
         try:
-            await self.llm.collective_rpc("reload_weights", kwargs={"weights_path": self.shm})
+            # vLLM's reload_weights, then the CPU build's tied lm_head packed anew (weight_sync.worker.retie)
+            await self.llm.collective_rpc("rayrl_reload", args=(self.shm,))
             await self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
         finally:
             os.remove(path)
@@ -192,7 +195,7 @@ def sampled_logprobs(logprobs, ids: list[int]) -> list[float]:
         return []
     if hasattr(logprobs, "start_indices"):  # each position's entries start with the sampled token
         return [logprobs.logprobs[i] for i in logprobs.start_indices]
-    return [lp[t].logprob for lp, t in zip(logprobs, ids)]
+    return [lp[t].logprob for lp, t in zip(logprobs, ids, strict=True)]
 
 
 class _HF:
@@ -232,6 +235,10 @@ class _HF:
             return await asyncio.to_thread(self._generate, prompt_ids, s)
 
     async def load(self, state) -> None:
+        from rayrl.weight_sync.layout import aliases
+
+        # a tied lm_head arrives as the embedding only (weight_sync sends a shared tensor once)
+        state = {**state, **{a: state[first] for a, first in aliases(self.model).items() if a not in state}}
         async with self.lock:
             self.model.load_state_dict(state, strict=True)
 

@@ -79,7 +79,7 @@ class Reward:
         self._pool = self._new_pool()
 
     def _new_pool(self) -> Any:
-        import pebble  # noqa: PLC0415
+        import pebble
 
         # spawn, not fork: the parent is a Ray worker with gRPC threads, which fork would copy mid-flight.
         pool = pebble.ProcessPool(max_workers=self.num_procs, initializer=rewards.warm, initargs=(self.spec,),

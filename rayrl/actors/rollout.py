@@ -64,7 +64,8 @@ class Rollout:
                 match=last_user if isinstance(last_user, str) and last_user else None, **task.sampling), 60)
         except Exception as e:  # noqa: BLE001 - the gateway died or hung: a failed trajectory, the lease is acked
             return self._trajectory(task, SessionRecord("", task.task_id), t0=t0, error=f"gateway: {_describe(e)}")
-        llm = session_client(base_url, key, self.cfg.gateway.model_name, self.cfg.gateway.request_timeout, self._client())
+        gw = self.cfg.gateway
+        llm = session_client(base_url, key, gw.model_name, gw.request_timeout, self._client())
         self.episodes += 1
         sandbox = self.sandboxes[self.episodes % len(self.sandboxes)]
         ctx = TaskContext(task=task, llm=llm, run_config=self.cfg, session_id=sid, base_url=base_url, api_key=key,

@@ -64,7 +64,7 @@ class _Tool:
 
 def load_tools(specs: list[dict] | None) -> dict[str, _Tool]:
     """agent_config["tools"] -> {name: tool}. Raises ValueError naming the bad entry."""
-    from rayrl.config import check_callable  # noqa: PLC0415
+    from rayrl.config import check_callable
 
     tools: dict[str, _Tool] = {}
     for i, spec in enumerate(specs if specs is not None else [{"builtin": "code_interpreter"}]):

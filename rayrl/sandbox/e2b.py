@@ -34,7 +34,7 @@ class E2BBackend:
     async def _acquire(self) -> Any:
         if self._idle:
             return self._idle.pop()
-        from e2b_code_interpreter import AsyncSandbox  # noqa: PLC0415 - optional dependency (pip install rayrl[e2b])
+        from e2b_code_interpreter import AsyncSandbox  # optional dependency (pip install rayrl[e2b])
 
         c = self.config
         opts: dict[str, Any] = {"api_key": self._api_key()}
@@ -84,7 +84,7 @@ class E2BBackend:
 async def _kill_quietly(sbx: Any) -> None:
     try:
         await sbx.kill()
-    except Exception:  # noqa: BLE001, S110 - best effort on shutdown; the sandbox also expires by itself
+    except Exception:  # noqa: BLE001 - best effort on shutdown; the sandbox also expires by itself
         pass
 
 

@@ -237,7 +237,7 @@ class _Zygote:
     the run's environment, no inherited fd but its socket), one request at a time."""
 
     def __init__(self, python: str, env: dict[str, str], cfg: dict[str, Any]) -> None:
-        import subprocess  # noqa: PLC0415
+        import subprocess
 
         self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         try:
@@ -298,7 +298,7 @@ _UID_LOCK_DIR = "/tmp/rayrl-sandbox-uids"
 def _claim_uids(base: int, span: int, n: int) -> tuple[list[int], list[int]]:
     """Claim `n` uids in [base, base + span) with non-blocking flocks on one root-only lock file per uid. The
     kernel drops a lock when its holder dies, so a crashed pool frees its uids by itself."""
-    import fcntl  # noqa: PLC0415
+    import fcntl
 
     os.makedirs(_UID_LOCK_DIR, mode=0o700, exist_ok=True)
     uids, fds = [], []
@@ -351,7 +351,7 @@ def _killpg(pid: int) -> None:
 def _reap_uid(uid: int) -> None:
     """Kill every process of `uid` (blocking, in a thread: an asyncio subprocess here hangs loop shutdown when
     the task is cancelled). kill(-1) from a child that became `uid` reaches exactly that uid's processes."""
-    import subprocess  # noqa: PLC0415
+    import subprocess
 
     if not _has_processes(uid):  # the usual case: a stat per process is far cheaper than forking a reaper
         return
@@ -411,14 +411,14 @@ def _probe_isolation(c: SandboxConfig, python: str) -> dict[str, Any]:
     root = os.geteuid() == 0
     out = {"uid": root, "userns": not root, "net": want_ns and not c.network, "mount": want_ns, "reason": ""}
     if want_ns:
-        import subprocess  # noqa: PLC0415
+        import subprocess
 
         workdir = tempfile.mkdtemp(prefix="rayrl-sandbox-probe-")
         limits = {"hide_paths": list(c.hide_paths), "tmpfs_mb": c.tmpfs_mb}
         try:
             subprocess.run(["/bin/true"], preexec_fn=lambda: _zygote.enter_namespaces(limits, workdir, out, []),
                            check=True, timeout=10)
-        except Exception as e:  # noqa: BLE001 - any failure means "not available here"
+        except Exception as e:  # any failure means "not available here"
             if c.namespaces == "require":
                 raise RuntimeError(f"sandbox.namespaces=require, but namespaces are not available here: {e}") from e
             out.update(net=False, mount=False, userns=False, reason=f"namespaces not available: {e}")
@@ -434,7 +434,7 @@ def _probe_isolation(c: SandboxConfig, python: str) -> dict[str, Any]:
 
 def _world_readable(path: str) -> bool:
     """Can any user execute `path` (every parent searchable, the file readable and executable by others)?"""
-    import stat  # noqa: PLC0415
+    import stat
 
     parts = path.split("/")
     for i in range(2, len(parts)):

@@ -286,7 +286,7 @@ def run_user(req: dict) -> None:
     try:
         with open(script, "rb") as f:
             code = compile(f.read(), script, "exec")
-        exec(code, module.__dict__)  # noqa: S102 - the point of a sandbox
+        exec(code, module.__dict__)  # the point of a sandbox
     except SystemExit as e:
         status = _exit_status(e)
     except BaseException as e:  # noqa: BLE001 - printed like the interpreter does, without this file's frames
@@ -303,7 +303,7 @@ def _exit_status(e: SystemExit) -> int:
         return 0
     if isinstance(e.code, int):
         return e.code & 0xFF
-    print(e.code, file=sys.stderr)
+    print(e.code, file=sys.stderr)  # noqa: T201 - as the interpreter reports sys.exit('message')
     return 1
 
 
@@ -322,7 +322,7 @@ def _exit(status: int) -> None:
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
-            except Exception:  # noqa: BLE001, S110 - a closed or replaced stream: nothing left to flush
+            except Exception:  # noqa: BLE001 - a closed or replaced stream: nothing left to flush
                 pass
         os._exit(status)
 

@@ -1,7 +1,9 @@
 """Named tensors in flat byte buffers: the layout the cuda_ipc and broadcast strategies share.
 
 A `plan` places (name, shape, dtype) in order into buckets; sender and receiver build the same `views` of a bucket's
-uint8 buffer, so only the bytes cross. `full_tensors` reads a (possibly FSDP-sharded) model in that order.
+uint8 buffer, so only the bytes cross. `full_tensors` reads a (possibly FSDP-sharded) model in that order. A tensor
+that several names share (tied embeddings: `lm_head.weight` is `model.embed_tokens.weight`) travels once, under its
+first name (`aliases`).
 """
 
 from __future__ import annotations
@@ -63,24 +65,44 @@ def views(buf: torch.Tensor, bucket: list[Slot]) -> list[tuple[str, torch.Tensor
     return [(s.name, buf[s.offset:s.offset + s.nbytes].view(getattr(torch, s.dtype)).view(s.shape)) for s in bucket]
 
 
+def aliases(model: torch.nn.Module) -> dict[str, str]:
+    """{alias: first name} for state-dict entries that are the same tensor as an earlier entry: a tied model's
+    `lm_head.weight` -> `model.embed_tokens.weight` (also under FSDP2, which keeps one sharded Parameter for both).
+    vLLM loads a tied model from the first name and skips the alias; transformers ties it back at load."""
+    first: dict[int, str] = {}
+    out = {}
+    for name, t in model.state_dict(keep_vars=True).items():  # keep_vars: the Parameters themselves, not detached
+        if first.setdefault(id(t), name) != name:
+            out[name] = first[id(t)]
+    return out
+
+
+def _unique_state(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The state dict's (name, tensor) in order, each shared tensor once (`aliases`)."""
+    tied = aliases(model)
+    return ((name, t) for name, t in model.state_dict(keep_vars=True).items() if name not in tied)
+
+
 def specs(model: torch.nn.Module, dtype: torch.dtype) -> list[tuple[str, tuple[int, ...], str]]:
-    """(name, full shape, dtype on the wire) of a (possibly FSDP-sharded) model's state dict; no communication."""
+    """(name, full shape, dtype on the wire) of a (possibly FSDP-sharded) model's state dict, each shared tensor
+    once (`aliases`); no communication."""
     out = []
-    for name, t in model.state_dict().items():
+    for name, t in _unique_state(model):
         wire = dtype if t.is_floating_point() else t.dtype
         out.append((name, tuple(t.shape), str(wire).removeprefix("torch.")))  # a DTensor's shape is the full one
     return out
 
 
 def full_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """Each full tensor in state-dict order, on the model's device, in the model's own dtype (`fill` casts while it
-    copies: no temporary). A collective under FSDP: every rank must consume the whole iterator, in step
-    (DTensor.full_tensor() all-gathers one tensor at a time). On one rank nothing is gathered: the tensors are views
-    of the parameters' storage, which optimizer steps update in place, so a caller may keep `list(...)` of them
-    across steps (and must rebuild it when the parameters are replaced, e.g. by a checkpoint load)."""
+    """Each full tensor in state-dict order (a shared one once, as in `specs`), on the model's device, in the model's
+    own dtype (`fill` casts while it copies: no temporary). A collective under FSDP: every rank must consume the
+    whole iterator, in step (DTensor.full_tensor() all-gathers one tensor at a time). On one rank nothing is
+    gathered: the tensors are views of the parameters' storage, which optimizer steps update in place, so a caller
+    may keep `list(...)` of them across steps (and must rebuild it when the parameters are replaced, e.g. by a
+    checkpoint load)."""
     from torch.distributed.tensor import DTensor
 
-    for name, t in model.state_dict().items():
+    for name, t in _unique_state(model):
         if isinstance(t, DTensor):  # one rank: the local shard is the whole tensor, no collective needed
             t = t.full_tensor() if t.device_mesh.size() > 1 else t.to_local()
         yield name, t.detach()

@@ -1,5 +1,6 @@
 """object_store: learner rank 0 gathers the full state dict to CPU and puts one `WeightsPacket` in Ray's object
-store; each Engine loads it through its backend (vLLM: a safetensors file in /dev/shm and a reload).
+store; each Engine loads it through its backend (vLLM: a safetensors file in /dev/shm and a reload). A tied model's
+lm_head is left out: it is the embedding (`layout.aliases`).
 
 The packet holds numpy arrays, which Ray reads zero-copy out of the object store on the same node, where a pickled
 torch tensor would be copied. numpy has no bfloat16, so bf16 tensors travel as int16 bit patterns.
@@ -14,6 +15,7 @@ import numpy as np
 import torch
 
 from rayrl.config import Config
+from rayrl.weight_sync.layout import aliases
 
 NAME = "object_store"
 
@@ -79,7 +81,8 @@ class Sender:
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if not serve:
             return None
-        return pack({k: v.to(self.dtype) for k, v in state.items()}, version)
+        tied = aliases(model)  # a tied lm_head travels once, as the embedding (as in cuda_ipc and broadcast)
+        return pack({k: v.to(self.dtype) for k, v in state.items() if k not in tied}, version)
 
     def params_replaced(self) -> None:
         pass  # nothing cached

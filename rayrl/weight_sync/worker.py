@@ -31,6 +31,11 @@ class WorkerExtension:
             raise RuntimeError(f"engine.weight_sync={strategy}: this worker never connected (rayrl_connect)")
         return rx.receive(self, *args)
 
+    def rayrl_reload(self, weights_path: str) -> None:
+        """vLLM's own `reload_weights` from a checkpoint folder (object_store's safetensors file), then `retie`."""
+        self.reload_weights(weights_path=weights_path)
+        retie(self.model_runner.get_model())
+
 
 def engine_llm(backend, strategy: str):
     """The vLLM AsyncLLM behind an Engine's backend, through which its worker processes are reached."""
@@ -57,10 +62,33 @@ def load(worker, buckets: Iterable[list[tuple[str, torch.Tensor]]]) -> int:
             model.load_weights(bucket)
             n += len(bucket)
         finalize_layerwise_reload(model, worker.vllm_config.model_config)
+        retie(model)
     else:
         # GPU, unquantized: checkpoint format is the kernel format; load_weights copies each view into place.
         for bucket in buckets:
             model.load_weights(bucket)
             n += len(bucket)
         torch.cuda.synchronize()  # the buffer may be overwritten as soon as we return
+    return n
+
+
+def retie(model: torch.nn.Module) -> int:
+    """On the CPU build, pack again each module whose weight is an earlier module's (a tied lm_head): the build packs
+    the lm_head's GEMM into a copy of the embedding at load, and a (layerwise) reload, which skips the tied name,
+    puts the lm_head back as it was, its copy still the old embedding. Returns how many were packed (elsewhere 0:
+    the GPU's unquantized lm_head reads the shared weight itself)."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return 0
+    owner: dict[int, torch.nn.Module] = {}
+    n = 0
+    for module in model.modules():
+        w = module._parameters.get("weight")
+        if w is None or owner.setdefault(id(w), module) is module:
+            continue
+        method = getattr(module, "quant_method", None)
+        if method is not None:
+            method.process_weights_after_loading(module)  # CPU: dispatch_cpu_unquantized_gemm packs it anew
+            n += 1
     return n

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from tests.conftest import ROOT, tiny_overrides
+from tests.helpers import ROOT, tiny_overrides
 
 BAD = [
     (["trainer.batch_size=6", "learner.mini_batch_size=4"],

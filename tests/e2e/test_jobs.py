@@ -13,10 +13,7 @@ import urllib.request
 
 import pytest
 
-from tests.conftest import ROOT, tiny_overrides
-from tests.e2e.raycluster import LocalCluster, wait_until
-from tests.e2e.test_shutdown import alive, run_processes
-from tests.unit.test_trace import check_format
+from tests.helpers import ROOT, LocalCluster, alive, check_trace_format, run_processes, tiny_overrides, wait_until
 
 pytestmark = pytest.mark.e2e
 GAUGES = ["rayrl_reward_mean", "rayrl_step_seconds", "rayrl_rollout_tokens_per_s", "rayrl_queue_depth",
@@ -97,7 +94,7 @@ def test_job_submit_two_nodes(cluster, tiny_model, tmp_path):
         assert actors[name]["state"] == "DEAD"  # the run stopped its actors when it ended
 
     assert set(GAUGES) <= found, f"missing from the Prometheus export: {set(GAUGES) - found}"
-    check_format(json.loads((out / "trace.json").read_text()))
+    check_trace_format(json.loads((out / "trace.json").read_text()))
 
 
 def test_job_stop_mid_run_leaves_nothing(cluster, tiny_model, tmp_path):
@@ -106,7 +103,8 @@ def test_job_stop_mid_run_leaves_nothing(cluster, tiny_model, tmp_path):
 
     def stepping():
         seen.update(run_processes(cluster))
-        return "step 1:" in logs(cluster, "rayrl-e2e-stop") or status(cluster, "rayrl-e2e-stop") not in ("PENDING", "RUNNING")
+        return ("step 1:" in logs(cluster, "rayrl-e2e-stop")
+                or status(cluster, "rayrl-e2e-stop") not in ("PENDING", "RUNNING"))
 
     assert wait_until(stepping, timeout=400, interval=2.0)
     assert status(cluster, "rayrl-e2e-stop") == "RUNNING", logs(cluster, "rayrl-e2e-stop")[-4000:]
@@ -117,7 +115,8 @@ def test_job_stop_mid_run_leaves_nothing(cluster, tiny_model, tmp_path):
     assert wait_until(lambda: status(cluster, "rayrl-e2e-stop") == "STOPPED", 30)
     wait_until(lambda: not alive(seen), timeout=30)
     assert not alive(seen), alive(seen)
-    assert not [a for a in ray_list(cluster, "actors") if a.get("name", "").startswith("rayrl/") and a["state"] != "DEAD"]
+    assert not [a for a in ray_list(cluster, "actors")
+                if a.get("name", "").startswith("rayrl/") and a["state"] != "DEAD"]
 
 
 def test_submit_to_no_cluster_fails_clearly(tmp_path):

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from rayrl.config import ConfigError, load_config
-from tests.conftest import ROOT
+from tests.helpers import ROOT
 
 FILES = sorted(glob.glob(os.path.join(ROOT, "runtime_envs", "*.yaml")))
 

@@ -9,40 +9,11 @@ import subprocess
 import sys
 import time
 
-import psutil
 import pytest
 
-from tests.conftest import ROOT, tiny_overrides
-from tests.e2e.raycluster import LocalCluster, wait_until
+from tests.helpers import ROOT, LocalCluster, alive, run_processes, tiny_overrides, wait_until
 
 pytestmark = pytest.mark.e2e
-INFRA = ("ray::IDLE", "ray::JobSupervisor", "ray::DashboardAgent", "ray::RuntimeEnvAgent")  # the node's, not the run's
-
-
-def run_processes(cluster: LocalCluster) -> dict[int, tuple[float, str]]:
-    """pid -> (create time, title) of every process the run owns: actor workers and everything below them."""
-    out = {}
-    for p in cluster.processes():
-        try:
-            title = " ".join(p.cmdline())
-            if title.startswith("ray::") and not title.startswith(INFRA) or "EngineCore" in title:
-                for q in [p, *p.children(recursive=True)]:
-                    out[q.pid] = (q.create_time(), " ".join(q.cmdline())[:80])
-        except psutil.NoSuchProcess:
-            pass
-    return out
-
-
-def alive(pids: dict[int, tuple[float, str]]) -> dict[int, str]:
-    left = {}
-    for pid, (created, title) in pids.items():
-        try:
-            p = psutil.Process(pid)
-            if p.create_time() == created and p.status() != psutil.STATUS_ZOMBIE:
-                left[pid] = title
-        except psutil.NoSuchProcess:
-            pass
-    return left
 
 
 def test_sigkill_driver_mid_step_leaves_no_process(tiny_model, tmp_path):

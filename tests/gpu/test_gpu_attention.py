@@ -7,15 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the GPU host only)")]
+pytestmark = pytest.mark.gpu  # skipped where there is no CUDA GPU (tests/conftest.py)
 
 
 def test_varlen_attention_matches_sdpa_per_sequence():
     from rayrl import attention
 
     attention.register()
-    print(f"GQA in the kernel: {attention.GQA_IN_KERNEL}")
+    print(f"GQA in the kernel: {attention.GQA_IN_KERNEL}")  # noqa: T201 - a figure BENCHMARKS.md reads (pytest -s)
     torch.manual_seed(0)
     lengths = [300, 17, 1024, 511]
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
@@ -32,6 +31,6 @@ def test_varlen_attention_matches_sdpa_per_sequence():
             out = attention._reference(qq[0].transpose(0, 1), kr, vr, cu, None)[None]
         out.backward(go)
         results.append((out, qq.grad, kk.grad, vv.grad))
-    for name, a, b in zip(("out", "dq", "dk", "dv"), *results):
+    for name, a, b in zip(("out", "dq", "dk", "dv"), *results, strict=True):
         rel = ((a.float() - b.float()).norm() / b.float().norm()).item()
         assert rel < 2e-2, (name, rel)

@@ -12,8 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (runs on the GPU host only)")]
+pytestmark = pytest.mark.gpu  # skipped where there is no CUDA GPU (tests/conftest.py)
 
 PROMPT = [5, 17, 33, 2, 90, 41, 7]
 
@@ -66,7 +65,7 @@ def test_cuda_ipc_sync_matches_learner(tiny_model):
         assert loads == [["load_weights"], ["direct_copies"]], loads
         for version, before, gen, lp in ((1, g0, g1, lp1), (2, g1, g2, lp2)):
             diff = float(np.max(np.abs(np.array(lp) - np.array(gen.logprobs))))
-            print(f"cuda_ipc v{version}: max |engine - learner| logprob {diff:.2e}")
+            print(f"cuda_ipc v{version}: max |engine - learner| logprob {diff:.2e}")  # noqa: T201 - pytest -s figure
             assert gen.policy_version == version and diff < 1e-3  # fp32 on GPU: different kernels, not bit-exact
             assert gen.logprobs != before.logprobs  # the sync reached the engine
     finally:
@@ -97,7 +96,7 @@ def test_auto_picks_broadcast_on_two_gpus_and_matches(tiny_model, ray_cluster):
         g1 = ray.get(engine.generate.remote(PROMPT, greedy), timeout=120)
         lp = ray.get(learner.compute_logprobs.remote(_batch(g1.token_ids, 0.0)), timeout=120)[0]
         diff = float(np.max(np.abs(np.array(lp) - np.array(g1.logprobs))))
-        print(f"broadcast (nccl): max |engine - learner| logprob {diff:.2e}")
+        print(f"broadcast (nccl): max |engine - learner| logprob {diff:.2e}")  # noqa: T201 - pytest -s figure
         assert g1.policy_version == 1 and diff < 1e-3 and g1.logprobs != g0.logprobs
     finally:
         ray.get([engine.shutdown.remote(), learner.shutdown.remote()], timeout=60)

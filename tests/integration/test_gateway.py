@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -22,7 +21,7 @@ from rayrl.actors.rollout import Rollout
 from rayrl.agent import session_client
 from rayrl.config import load_config
 from rayrl.types import Task
-from tests.conftest import ROOT, tiny_overrides
+from tests.helpers import ROOT, free_port, tiny_overrides
 
 pytestmark = pytest.mark.integration
 
@@ -34,7 +33,7 @@ def gw(tiny_model, ray_cluster):
     """(config, engine handle, gateway handle, gateway base URL); one engine for the whole module."""
     cfg = load_config(None, tiny_overrides(tiny_model, "/tmp/unused", **{
         "engine.max_model_len": MAX_LEN, "rollout.max_response_length": 256, "data.max_prompt_length": 200,
-        "rollout.agent": "tests.gateway_agents:tool_agent"}))
+        "rollout.agent": "tests.helpers:gateway_tool_agent"}))
     engine = EngineActor.options(num_cpus=1, max_concurrency=1000).remote(tiny_model, cfg.engine, "float32", 0,
                                                                           "engine/0")
     ray.get(engine.start.remote(), timeout=300)
@@ -102,7 +101,7 @@ def test_three_turns_with_tool_calls_are_token_exact(gw, tiny_model):
     seen = traj.metadata["seen"]
     assert traj.num_turns == 3 and len(seen) == 3
 
-    from tests.gateway_agents import TOOLS
+    from tests.helpers import TOOLS
 
     first = tok.apply_chat_template(task.messages, tools=TOOLS, add_generation_prompt=True, tokenize=False)
     assert traj.prompt_ids == tok.encode(first, add_special_tokens=False)
@@ -252,17 +251,11 @@ def test_client_disconnect_mid_stream_aborts_the_engine_request(gw):
     assert r.json()["usage"]["completion_tokens"] == n
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_external_agent_service(gw, tiny_model):
     """A separate agent service (its own process, fixed base URL and key, two LLM calls per task); the rayrl agent
     only forwards the task. Its calls land in the episode's session by conversation prefix, token-exact."""
     _cfg, _, gateway, url = gw
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, "PYTHONPATH": ROOT, "OPENAI_BASE_URL": f"{url}/v1", "OPENAI_API_KEY": "sk-fixed-in-its-config",
            "AGENT_MAX_TOKENS": "6"}
     proc = subprocess.Popen([sys.executable, "-m", "examples.external_agent.server", "--port", str(port)], env=env,
@@ -276,7 +269,7 @@ def test_external_agent_service(gw, tiny_model):
                     break
             except httpx.HTTPError:
                 time.sleep(0.2)
-        reward = RewardActor.options(num_cpus=0).remote("tests.helpers_rewards:exact", 10.0, 1)
+        reward = RewardActor.options(num_cpus=0).remote("tests.helpers:exact", 10.0, 1)
         ecfg = load_config(None, tiny_overrides(tiny_model, "/tmp/unused", **{
             "engine.max_model_len": MAX_LEN, "rollout.agent": "examples.external_agent.agent:agent",
             "rollout.agent_config": json.dumps({"service_url": f"http://127.0.0.1:{port}"}),
@@ -331,7 +324,7 @@ def test_task_sampling_sets_the_session_defaults(gw, tiny_model):
     import dataclasses
 
     cfg, _, gateway, _ = gw
-    cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, agent="tests.gateway_agents:plain_agent"))
+    cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, agent="tests.helpers:plain_agent"))
     worker = Rollout("test/0", cfg, None, gateway, None)
 
     def runs(sampling):

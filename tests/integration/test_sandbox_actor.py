@@ -12,7 +12,7 @@ from rayrl.actors.rollout import Rollout
 from rayrl.actors.sandbox import ActorSandbox, SandboxActor
 from rayrl.config import SandboxConfig, load_config
 from rayrl.sandbox import SandboxPool
-from tests.unit.test_tool_agent import FakeLLM, completion, make_ctx
+from tests.helpers import FakeLLM, completion, make_ctx
 
 pytestmark = pytest.mark.integration
 

@@ -14,7 +14,7 @@ from safetensors.numpy import load_file
 from rayrl import checkpoint
 from rayrl.config import load_config
 from rayrl.data import DataIterator, load_rows
-from tests.conftest import tiny_overrides
+from tests.helpers import tiny_overrides
 
 pytestmark = pytest.mark.integration
 
@@ -69,8 +69,8 @@ def test_engine_matches_learner_after_sync(tiny_model, ray_cluster, mode):
     `broadcast` (gloo here, NCCL on GPUs) goes through the same driver wiring as a run on separate GPUs."""
     from rayrl import cluster
     from rayrl.actors.engine import Sampling
-    from rayrl.types import TrainBatch
     from rayrl.train import sync_weights
+    from rayrl.types import TrainBatch
 
     cfg = load_config(None, tiny_overrides(tiny_model, "/tmp/unused", **{"rollout.num_workers": 1,
                                                                          "engine.weight_sync": mode}))
@@ -103,7 +103,7 @@ def test_killed_rollout_worker_loses_no_task(tiny_model, ray_cluster):
     from rayrl.train import Feeder, collect
 
     cfg = load_config(None, tiny_overrides(tiny_model, "/tmp/unused", **{
-        "rollout.num_workers": 2, "rollout.agent": "tests.agents:slow_agent", "rollout.agent_config": "{sleep: 4}",
+        "rollout.num_workers": 2, "rollout.agent": "tests.helpers:slow_agent", "rollout.agent_config": "{sleep: 4}",
         "rollout.concurrency": 4}))
     actors = cluster.start(cfg, tiny_model)
     try:
@@ -130,7 +130,7 @@ def test_failed_agent_is_recorded_and_run_goes_on(tiny_model, ray_cluster, tmp_p
     from rayrl import cluster
     from rayrl.train import Feeder, collect
 
-    cfg = load_config(None, tiny_overrides(tiny_model, str(tmp_path), **{"rollout.agent": "tests.agents:flaky_agent"}))
+    cfg = load_config(None, tiny_overrides(tiny_model, str(tmp_path), **{"rollout.agent": "tests.helpers:flaky_agent"}))
     actors = cluster.start(cfg, tiny_model)
     try:
         data = DataIterator(load_rows(cfg.data.source, 50, 0, cfg.data.gym_kwargs, None), cfg.trainer.batch_size, 0)
@@ -162,7 +162,8 @@ def test_two_fsdp_ranks_equal_one(tiny_model, ray_cluster):
         workers = [LearnerActor.options(num_cpus=1).remote(tiny_model, cfg, r, world) for r in range(world)]
         addr, port = ray.get(workers[0].address.remote(), timeout=60)
         ray.get([w.setup.remote(addr, port) for w in workers], timeout=300)
-        stats = ray.get([w.train_step.remote(s) for w, s in zip(workers, shard(groups, advs, world))], timeout=300)
+        stats = ray.get([w.train_step.remote(s) for w, s in zip(workers, shard(groups, advs, world), strict=True)],
+                        timeout=300)
         packet = ray.get([w.send_weights.remote("object_store", 1, r == 0) for r, w in enumerate(workers)],
                          timeout=300)[0]
         ray.get([w.shutdown.remote() for w in workers], timeout=60)

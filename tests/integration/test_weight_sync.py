@@ -114,7 +114,7 @@ def test_broadcast_sync_engine_matches_learner(tiny_model, ray_cluster, ranks):
     from rayrl.actors.learner import LearnerActor
     from rayrl.config import load_config
     from rayrl.types import TrainBatch
-    from tests.conftest import tiny_overrides
+    from tests.helpers import tiny_overrides
 
     cfg = load_config(None, tiny_overrides(tiny_model, "/tmp/unused", **{
         "engine.weight_sync": "broadcast", "engine.sync_bucket_mb": 1, "engine.sync_timeout": 120}))

