@@ -1,4 +1,4 @@
-"""`rayrl` command line: train | trace dump | export-hf."""
+"""`rayrl` command line: train | trace dump | export-hf | make-model."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: rayrl train [JOB.yaml] [section.key=value ...]\n"
               "       rayrl trace dump [RUN_DIR | JOB.yaml] [--steps FIRST LAST] -o trace.json\n"
-              "       rayrl export-hf CHECKPOINT_DIR -o OUT_DIR [--model PATH]\n\n"
+              "       rayrl export-hf CHECKPOINT_DIR -o OUT_DIR [--model PATH]\n"
+              "       rayrl make-model SHAPE OUT_DIR [--dtype bfloat16] [--untied]   (random-init seed shapes)\n\n"
               "`rayrl train` with no arguments runs the embedded default job (SmolLM2-135M, GRPO, arithmetic, CPU).")
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
@@ -31,7 +32,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if cmd == "trace":
         return trace_main(rest)
-    print(f"rayrl: unknown command {cmd!r} (train, trace, export-hf)", file=sys.stderr)
+    if cmd == "make-model":
+        return make_model_main(rest)
+    print(f"rayrl: unknown command {cmd!r} (train, trace, export-hf, make-model)", file=sys.stderr)
     return 2
 
 
@@ -46,6 +49,22 @@ def train_main(argv: list[str]) -> int:
     from rayrl.train import run  # seconds of imports (ray, torch, verl): only for a config that can run
 
     return run(cfg)
+
+
+def make_model_main(argv: list[str]) -> int:
+    """`rayrl make-model SHAPE OUT_DIR`: a random-init model of a seed shape with Qwen's tokenizer, for memory and
+    speed work without downloading weights."""
+    from rayrl.models import SHAPES, make_model
+
+    p = argparse.ArgumentParser(prog="rayrl make-model", description=make_model_main.__doc__)
+    p.add_argument("shape", choices=sorted(SHAPES))
+    p.add_argument("out")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--untied", action="store_true", help="an untied lm_head even where the released model ties it")
+    p.add_argument("--seed", type=int, default=0)
+    a = p.parse_args(argv)
+    print(make_model(a.shape, a.out, a.dtype, a.seed, tie=False if a.untied else None))
+    return 0
 
 
 def trace_main(argv: list[str]) -> int:

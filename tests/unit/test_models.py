@@ -52,3 +52,15 @@ def test_make_model_tiny_tied(tmp_path):
 def test_unknown_shape_names_the_known_ones(tmp_path):
     with pytest.raises(ValueError, match="qwen3-4b"):
         models.make_model("qwen9-1t", str(tmp_path / "x"))
+
+
+def test_make_model_command(tmp_path, capsys):
+    from rayrl.cli import main
+
+    out = str(tmp_path / "cli")
+    assert main(["make-model", "qwen3-tiny", out, "--untied", "--dtype", "float32"]) == 0
+    import json
+
+    cfg = json.load(open(f"{out}/config.json"))
+    assert cfg["tie_word_embeddings"] is False and cfg["model_type"] == "qwen3"
+    assert out in capsys.readouterr().out
