@@ -68,7 +68,8 @@ class LogprobHead(torch.nn.Module):
             return torch.nn.functional.linear(hidden, self.weight)
         out = hidden_logprobs(hidden.reshape(-1, hidden.shape[-1]), self.weight, self.targets, self.temperature,
                               self.compiled, self.entropy, self.chunk)
-        return torch.stack(out, -1)[None] if self.entropy else out[None, :, None]
+        # stacked into a new tensor, not a view: FSDP hooks the root's outputs for backward, and warns on views
+        return torch.stack([o[None] for o in (out if self.entropy else (out,))], -1)
 
 
 # --- per-chunk kernels: x = logits / temperature in fp32; d logprob / dx = onehot(target) - p,
