@@ -32,16 +32,19 @@ def _cfg(mode: str):
                        check_files=False)
 
 
-def test_cuda_ipc_sync_matches_learner(tiny_model):
+@pytest.mark.parametrize("model", ["tiny_model", "tied_model"])
+def test_cuda_ipc_sync_matches_learner(model, request):
     """Two steps, each followed by a cuda_ipc sync: the learner's buffer is allocated once (same id both times),
-    the engine opened it once, and after each sync the engine's greedy logprobs match the learner's."""
+    the engine opened it once, and after each sync the engine's greedy logprobs match the learner's. The tied model
+    (a Qwen3 shape whose lm_head is the embedding) sends the shared tensor once, so the direct copies apply too."""
     from rayrl.actors.engine import Engine, Sampling
     from rayrl.actors.learner import Learner
 
     cfg = _cfg("cuda_ipc")
-    learner = Learner(tiny_model, cfg)
+    path = request.getfixturevalue(model)
+    learner = Learner(path, cfg)
     learner.setup()
-    engine = Engine(tiny_model, cfg.engine)
+    engine = Engine(path, cfg.engine)
     greedy = Sampling(max_tokens=12, temperature=0.0)
 
     async def go():
