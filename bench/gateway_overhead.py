@@ -25,10 +25,11 @@ import time
 
 import ray
 
-from rayrl.actors.engine import EngineActor, Sampling
+from rayrl.actors.engine import EngineActor
 from rayrl.actors.gateway import GatewayActor
 from rayrl.agent import session_client
 from rayrl.config import load_config
+from rayrl.engine import Sampling
 from rayrl.models import resolve_model
 
 TARGET = 0.95  # gateway / direct

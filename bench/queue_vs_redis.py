@@ -27,7 +27,8 @@ from dataclasses import dataclass
 
 import ray
 
-from rayrl.actors.queue import TaskQueueActor, pack
+from rayrl.actors.queue import TaskQueueActor
+from rayrl.queue import pack
 from rayrl.types import Task, Trajectory
 
 TARGETS = {"single": 0.5, "batched": 1.0}  # TaskQueue / Redis

@@ -147,7 +147,7 @@ def digit_count(data_source: str, solution_str: str, ground_truth: Any, extra_in
 
 def reward_request(task_id: str, answer: str, truth: str = "5", sleep: float = 0.0):
     """A RewardRequest for the scorers above; `sleep` makes `slow_or_exact` take that long."""
-    from rayrl.actors.reward import RewardRequest
+    from rayrl.scoring import RewardRequest
 
     return RewardRequest(task_id=task_id, data_source="test", solution_str=answer, ground_truth=truth,
                          extra_info={"sleep": sleep})

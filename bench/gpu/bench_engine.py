@@ -135,8 +135,8 @@ def part_vllm(args) -> None:
 
 def _learner(model_path: str, lr: float, micro: int = 8, pack: bool = True, budget: int = 0, compile: bool = False,
              layer_dynamic: bool | None = None):
-    from rayrl.actors.learner import Learner
     from rayrl.config import load_config
+    from rayrl.learner import Learner
 
     cfg = load_config(None, [f"model.path={model_path}", "model.dtype=bfloat16", "learner.gpus_per_worker=1",
                              f"learner.lr={lr}", f"learner.micro_batch_size={micro}", "data.max_prompt_length=256",
@@ -159,7 +159,7 @@ def _batch(prompt_ids, response_ids, adv=None):
 
 
 async def _gen_all(eng, ps, max_tokens, n=1):
-    from rayrl.actors.engine import Sampling
+    from rayrl.engine import Sampling
 
     s = Sampling(max_tokens=max_tokens, temperature=1.0)
     return await asyncio.gather(*[eng.generate(p, s) for p in ps for _ in range(n)])
@@ -224,8 +224,8 @@ async def sync_suite(ln, eng, ps, tag: str, reps: int = 6) -> None:
 
 
 async def _engine(path, args):
-    from rayrl.actors.engine import Engine
     from rayrl.config import EngineConfig
+    from rayrl.engine import Engine
 
     cfg = EngineConfig(backend="vllm", gpus_per_engine=1, max_model_len=1024, gpu_memory_utilization=args.gpu_mem,
                        enforce_eager=args.eager, max_num_seqs=args.max_num_seqs)

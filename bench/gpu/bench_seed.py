@@ -55,8 +55,8 @@ def main() -> int:
         PROMPT = int(args.lengths.split(",")[0].split("+")[0])
     shape, tie, ckpt, kind, *rest = args.case.split(":")
     budget = int(rest[0]) if rest else 18432
-    from rayrl.actors.learner import Learner
     from rayrl.config import load_config
+    from rayrl.learner import Learner
 
     path = model_dir(shape, tie)
     gpu = int(torch.cuda.is_available())

@@ -1,5 +1,5 @@
 """SandboxActor: the Ray shell over SandboxPool (rayrl/sandbox/), so that episodes on many rollout workers share one
-node's sandbox budget (`sandbox.num_actors`); ActorSandbox: its client, the `ctx.sandbox` a worker hands to agents."""
+node's sandbox budget (`sandbox.num_actors`); its client is rayrl.sandbox.client.ActorSandbox."""
 
 from __future__ import annotations
 
@@ -31,12 +31,3 @@ class SandboxActor:
     async def close(self) -> None:
         await self.pool.close()
 
-
-class ActorSandbox:
-    """`ctx.sandbox` backed by a SandboxActor handle: the same `run` signature as SandboxPool."""
-
-    def __init__(self, handle: Any) -> None:
-        self.handle = handle
-
-    async def run(self, code: str, language: str = "python", timeout: float | None = None) -> ExecResult:
-        return await self.handle.run.remote(code, language, timeout)

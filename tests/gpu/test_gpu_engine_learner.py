@@ -14,9 +14,9 @@ pytestmark = pytest.mark.gpu  # skipped where there is no CUDA GPU (tests/confte
 
 
 def test_engine_matches_learner_on_gpu(tiny_model):
-    from rayrl.actors.engine import Engine, Sampling
-    from rayrl.actors.learner import Learner
     from rayrl.config import load_config
+    from rayrl.engine import Engine, Sampling
+    from rayrl.learner import Learner
     from rayrl.types import TrainBatch
 
     cfg = load_config(None, ["engine.gpus_per_engine=1", "learner.gpus_per_worker=1",

@@ -37,8 +37,8 @@ def test_cuda_ipc_sync_matches_learner(model, request):
     """Two steps, each followed by a cuda_ipc sync: the learner's buffer is allocated once (same id both times),
     the engine opened it once, and after each sync the engine's greedy logprobs match the learner's. The tied model
     (a Qwen3 shape whose lm_head is the embedding) sends the shared tensor once, so the direct copies apply too."""
-    from rayrl.actors.engine import Engine, Sampling
-    from rayrl.actors.learner import Learner
+    from rayrl.engine import Engine, Sampling
+    from rayrl.learner import Learner
 
     cfg = _cfg("cuda_ipc")
     path = request.getfixturevalue(model)
@@ -81,8 +81,9 @@ def test_auto_picks_broadcast_on_two_gpus_and_matches(tiny_model, ray_cluster):
     import ray
 
     from rayrl import weight_sync
-    from rayrl.actors.engine import EngineActor, Sampling
+    from rayrl.actors.engine import EngineActor
     from rayrl.actors.learner import LearnerActor
+    from rayrl.engine import Sampling
 
     cfg = _cfg("auto")
     engine = EngineActor.options(num_gpus=1, max_concurrency=100).remote(tiny_model, cfg.engine, "float32", 0,

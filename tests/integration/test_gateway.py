@@ -14,12 +14,13 @@ import openai
 import pytest
 import ray
 
-from rayrl.actors.engine import EngineActor, Sampling
+from rayrl.actors.engine import EngineActor
 from rayrl.actors.gateway import GatewayActor
 from rayrl.actors.reward import RewardActor
-from rayrl.actors.rollout import Rollout
 from rayrl.agent import session_client
 from rayrl.config import load_config
+from rayrl.engine import Sampling
+from rayrl.rollout import Rollout
 from rayrl.types import Task
 from tests.helpers import ROOT, free_port, tiny_overrides
 
@@ -294,7 +295,7 @@ def test_external_agent_service(gw, tiny_model):
 
 def test_in_process_transport_when_http_is_off(gw, tiny_model):
     """gateway.enabled=false: no listener; ctx.llm reaches the same app through Ray calls."""
-    from rayrl.actors.rollout import RayTransport
+    from rayrl.rollout import RayTransport
 
     _cfg, engine, _, _ = gw
     off = load_config(None, tiny_overrides(tiny_model, "/tmp/unused", **{"engine.max_model_len": MAX_LEN,

@@ -9,7 +9,8 @@ import pytest
 import ray
 from ray import cloudpickle
 
-from rayrl.actors.queue import TaskQueueActor, pack
+from rayrl.actors.queue import TaskQueueActor
+from rayrl.queue import pack
 from rayrl.types import Task, Trajectory
 
 pytestmark = pytest.mark.integration

@@ -8,10 +8,11 @@ import asyncio
 import pytest
 import ray
 
-from rayrl.actors.rollout import Rollout
-from rayrl.actors.sandbox import ActorSandbox, SandboxActor
+from rayrl.actors.sandbox import SandboxActor
 from rayrl.config import SandboxConfig, load_config
+from rayrl.rollout import Rollout
 from rayrl.sandbox import SandboxPool
+from rayrl.sandbox.client import ActorSandbox
 from tests.helpers import FakeLLM, completion, make_ctx
 
 pytestmark = pytest.mark.integration

@@ -68,7 +68,7 @@ def test_engine_matches_learner_after_sync(tiny_model, ray_cluster, mode):
     Tolerance 1e-4 (both fp32 on CPU; different kernels, so not bit-exact). `auto` is the object store on CPU;
     `broadcast` (gloo here, NCCL on GPUs) goes through the same driver wiring as a run on separate GPUs."""
     from rayrl import cluster
-    from rayrl.actors.engine import Sampling
+    from rayrl.engine import Sampling
     from rayrl.train import sync_weights
     from rayrl.types import TrainBatch
 

@@ -21,9 +21,10 @@ def test_tied_model_engine_matches_learner_after_two_updates(tied_model, ray_clu
     log-probs equal the learner's within 1e-4. The learner sends the shared tensor once, as the embedding; vLLM's CPU
     build computes the logits from a packed copy of it in the lm_head, which a reload alone leaves at the first
     weights (weight_sync.worker.retie packs it again)."""
-    from rayrl.actors.engine import EngineActor, Sampling
+    from rayrl.actors.engine import EngineActor
     from rayrl.actors.learner import LearnerActor
     from rayrl.config import load_config
+    from rayrl.engine import Sampling
     from rayrl.types import TrainBatch
     from tests.helpers import tiny_overrides
 

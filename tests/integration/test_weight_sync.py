@@ -110,9 +110,10 @@ def test_broadcast_sync_engine_matches_learner(tiny_model, ray_cluster, ranks):
     several, so layers straddle buckets), the engine's greedy logprobs equal the learner's within 1e-4 and differ
     from before the step. A second step + sync reuses the group and its cached layout. With 2 FSDP ranks, both
     gather each full tensor and rank 0 sends."""
-    from rayrl.actors.engine import EngineActor, Sampling
+    from rayrl.actors.engine import EngineActor
     from rayrl.actors.learner import LearnerActor
     from rayrl.config import load_config
+    from rayrl.engine import Sampling
     from rayrl.types import TrainBatch
     from tests.helpers import tiny_overrides
 

@@ -6,8 +6,8 @@ import asyncio
 
 import torch
 
-from rayrl.actors.engine import Engine, Sampling
 from rayrl.config import EngineConfig
+from rayrl.engine import Engine, Sampling
 from rayrl.weight_sync.object_store import pack
 
 

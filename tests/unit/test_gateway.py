@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from rayrl.actors.gateway import Gateway
 from rayrl.chat import ApiError, normalize_messages
 from rayrl.config import load_config
+from rayrl.gateway import Gateway
 from rayrl.types import Generation, SessionRecord
 from tests.helpers import tiny_overrides
 

@@ -15,7 +15,7 @@ BATCH = TrainBatch(prompt_ids=[[1, 2, 3, 4], [5, 6, 7]], response_ids=[[8, 9, 10
 
 @pytest.fixture
 def learner(tiny_model, request):
-    from rayrl.actors.learner import Learner
+    from rayrl.learner import Learner
 
     cfg = load_config(None, ["learner.lr=1e-2", *getattr(request, "param", [])], check_files=False)
     ln = Learner(tiny_model, cfg)
@@ -123,7 +123,7 @@ def test_compiled_learner_matches_eager(tiny_model):
     the same log-probs and the same update as the eager learner, over micro-batches of different sizes."""
     from torch._dynamo.utils import counters
 
-    from rayrl.actors.learner import Learner
+    from rayrl.learner import Learner
 
     out = {}
     counters.clear()

@@ -108,7 +108,7 @@ def _batch() -> TrainBatch:
 
 @pytest.fixture
 def make_learner(tiny_model):
-    from rayrl.actors.learner import Learner
+    from rayrl.learner import Learner
 
     made = []
 

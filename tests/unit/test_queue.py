@@ -8,7 +8,7 @@ import pickle
 
 import pytest
 
-from rayrl.actors.queue import LeaseQueue, Packed, TaskQueue, _leases_out, _Unpacked, pack
+from rayrl.queue import LeaseQueue, Packed, TaskQueue, _leases_out, _Unpacked, pack
 from rayrl.types import Task, Trajectory
 
 

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from rayrl.actors.reward import Reward
 from rayrl.config import ConfigError
+from rayrl.scoring import Reward
 from tests.helpers import reward_request
 
 SCORER = "tests.helpers:slow_or_exact"

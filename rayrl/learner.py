@@ -1,0 +1,377 @@
+"""Learner: one FSDP2 rank. Log-probs and entropy (rayrl.logprobs), GRPO loss (verl core_algos via rayrl.algos),
+optimizer step, weight streaming to the engines, and sharded checkpoints. `LearnerActor` is its Ray actor.
+
+N workers form one process group (gloo on CPU, nccl on GPU); each holds a `fully_shard` shard of
+the model and the optimizer state. The driver gives each rank an equal share of every mini-batch.
+"""
+
+from __future__ import annotations
+
+import datetime
+import itertools
+import os
+import random
+import socket
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from rayrl import algos, attention, weight_sync
+from rayrl.batching import token_budget_bins
+from rayrl.config import Config
+from rayrl.export import write_hf
+from rayrl.logprobs import LogprobHead, token_logprobs, token_logprobs_entropy
+from rayrl.types import StepStats, TrainBatch
+
+
+class Learner:
+    """Plain class (usable without Ray); `LearnerActor` below is the Ray actor.
+
+    `layer_dynamic`: with learner.compile, torch.compile(dynamic=...) of each decoder layer's forward. None (the
+    default): the first micro-batch compiles for its sizes, the next recompiles with only the sizes that changed
+    (the token count) symbolic; True makes every size symbolic (the elementwise kernels ran 1.6x slower on an H200,
+    0.5B shape: bench/gpu compares them)."""
+
+    def __init__(self, model_path: str, cfg: Config, rank: int = 0, world_size: int = 1,
+                 layer_dynamic: bool | None = None):
+        self.model_path, self.cfg, self.rank, self.world_size = model_path, cfg, rank, world_size
+        self.layer_dynamic = layer_dynamic
+        self.use_cuda = cfg.learner.gpus_per_worker > 0 and torch.cuda.is_available()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if self.use_cuda else torch.device("cpu")
+        self.compiled = self.use_cuda if cfg.learner.compile is None else cfg.learner.compile
+        # weights out: one sender per strategy (rayrl/weight_sync/), the driver picks which
+        self._senders: dict[str, weight_sync.Sender] = {
+            name: strategy.Sender(cfg, self.device, world_size) for name, strategy in weight_sync.STRATEGIES.items()}
+
+    # --- setup -----------------------------------------------------------------------------------
+
+    def address(self) -> tuple[str, int]:
+        """Rank 0's rendezvous address (its node IP and a free port)."""
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        import ray
+
+        return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1", port
+
+    def setup(self, master_addr: str = "127.0.0.1", master_port: int = 0) -> int:
+        """Join the process group, load and shard the model, build the optimizer. Returns the parameter count."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from transformers import AutoModelForCausalLM
+
+        if not dist.is_initialized():
+            if master_port == 0:
+                master_addr, master_port = self.address()
+            dist.init_process_group("nccl" if self.use_cuda else "gloo",
+                                    init_method=f"tcp://{master_addr}:{master_port}", rank=self.rank,
+                                    world_size=self.world_size, timeout=datetime.timedelta(minutes=30))
+        torch.manual_seed(self.cfg.trainer.seed + self.rank)
+        dtype = getattr(torch, self.cfg.model.dtype)
+        # Master weights in fp32; bf16 only for compute (mixed precision) when asked. Packed rows on GPU attend
+        # through varlen flash attention (rayrl.attention); elsewhere transformers' default (sdpa) masks them.
+        flash = dtype in (torch.bfloat16, torch.float16)  # the flash kernel has no fp32; sdpa masks packed rows then
+        attn = attention.register() if self.use_cuda and self.cfg.learner.pack and flash else None
+        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32, attn_implementation=attn)
+        if self.cfg.model.gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+        model.config.use_cache = False
+        if self.cfg.learner.pack:  # the lm_head fused into the log-prob kernel: no [tokens x vocab] logits
+            model.lm_head = LogprobHead(model.lm_head, compiled=self.compiled)
+        model.to(self.device)
+        if self.compiled:  # the forward only: FSDP's hooks around it stay eager (torchtitan does the same)
+            for layer in model.model.layers:
+                layer.forward = torch.compile(layer.forward, dynamic=self.layer_dynamic)
+        mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+        # Shard each decoder layer, then the root (embeddings, norm, lm_head) — FSDP2's usual wrapping. One rank holds
+        # everything anyway: keep the gathered bf16 copy from forward to backward instead of gathering it twice.
+        reshard = self.world_size > 1
+        for layer in model.model.layers:
+            fully_shard(layer, mp_policy=mp, reshard_after_forward=reshard)
+        fully_shard(model, mp_policy=mp, reshard_after_forward=reshard)
+        self.model = model
+        self.ref = None
+        if self.cfg.algo.use_kl_loss:  # a frozen copy of the initial policy, sharded the same way
+            ref = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32,
+                                                       attn_implementation=attn).to(self.device).eval()
+            ref.requires_grad_(False)
+            if self.cfg.learner.pack:
+                ref.lm_head = LogprobHead(ref.lm_head, compiled=self.compiled)
+            for layer in ref.model.layers:
+                fully_shard(layer, mp_policy=mp)
+            fully_shard(ref, mp_policy=mp)
+            self.ref = ref
+        lc = self.cfg.learner
+        self.optim = torch.optim.AdamW(model.parameters(), lr=lc.lr, betas=tuple(lc.betas),
+                                       weight_decay=lc.weight_decay, fused=self.use_cuda)
+        return sum(p.numel() for p in model.parameters()) * (self.world_size if self.world_size > 1 else 1)
+
+    # --- training --------------------------------------------------------------------------------
+
+    def _micro_batches(self, batch: TrainBatch) -> list[list[int]]:
+        """Indices of `batch`'s sequences, one list per forward/backward: packed by token budget when
+        `learner.max_tokens_per_micro_batch` > 0, else `micro_batch_size` sequences in order. Every rank gets
+        the same number (FSDP's forward and backward are collectives)."""
+        lc = self.cfg.learner
+        if lc.max_tokens_per_micro_batch <= 0:
+            mb = lc.micro_batch_size
+            return [list(range(i, min(i + mb, len(batch)))) for i in range(0, len(batch), mb)]
+        lengths = [len(p) + len(r) for p, r in zip(batch.prompt_ids, batch.response_ids, strict=True)]
+        n = len(token_budget_bins(lengths, lc.max_tokens_per_micro_batch))
+        if self.world_size > 1:  # the driver gives every rank as many sequences, so every rank can split to the max
+            count = torch.tensor([n], device=self.device)
+            dist.all_reduce(count, op=dist.ReduceOp.MAX)
+            n = int(count.item())
+        return token_budget_bins(lengths, lc.max_tokens_per_micro_batch, min_bins=n)
+
+    def _logprobs(self, batch: TrainBatch, idx: list[int], model=None, entropy: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Log-probs of the response tokens of sequences `idx`, with their loss mask, advantages and (with
+        `entropy`, else None) the policy's entropy at each of those positions, from the same chunked pass; each
+        right-padded to [len(idx), T_resp] (zeros after each response) as rayrl.algos wants them."""
+        model = model or self.model
+        prompts, resps = [batch.prompt_ids[i] for i in idx], [batch.response_ids[i] for i in idx]
+        plen, rlen = np.array([len(p) for p in prompts]), np.array([len(r) for r in resps])
+        lengths = plen + rlen
+        targets = self._dev(np.fromiter(itertools.chain.from_iterable(resps), np.int64))
+        # temperature: the distribution the tokens were sampled from (verl's entropy is of that one too)
+        t = self.cfg.rollout.temperature
+        # logits at position t predict token t+1: a response of n tokens after a prompt of p is predicted by
+        # [p-1, p+n-1)
+        if self.cfg.learner.pack:
+            # One row, no padding: positions restart at 0 at each sequence, which transformers reads as packed
+            # sequences (block-diagonal causal mask for sdpa/eager, varlen for flash attention).
+            seqs = (p + r for p, r in zip(prompts, resps, strict=True))
+            ids = np.fromiter(itertools.chain.from_iterable(seqs), np.int64)
+            bounds = np.concatenate([[0], np.cumsum(lengths)])  # where each sequence starts, and the end
+            keep = np.repeat(bounds[:-1] + plen - 1, rlen) + _aranges(rlen)
+            # Sequence boundaries for flash attention's varlen kernel, which otherwise derives them from position_ids
+            # in every layer (the other attention implementations ignore them).
+            cu = self._dev(bounds, torch.int32)
+            varlen = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": int(lengths.max()),
+                      "max_length_k": int(lengths.max())}
+            # logits_to_keep: the lm_head runs on the response-predicting positions only, and it is a LogprobHead
+            # bound to their targets: the model's "logits" are the log-probs (and entropies), [N_resp, 1 or 2].
+            # use_cache=False: with a KV cache transformers ignores the packing (the reference model keeps use_cache).
+            model.lm_head.bind(targets, t, entropy)
+            try:
+                out = model(input_ids=self._dev(ids[None]), position_ids=self._dev(_aranges(lengths)[None]),
+                            logits_to_keep=self._dev(keep), use_cache=False, **varlen).logits[0]
+            finally:
+                model.lm_head.bind(None)
+            lp, ent = out[:, 0], (out[:, 1] if entropy else None)
+        else:  # right-padded to the longest sequence, full logits (the pre-packing path, kept for comparison)
+            ids = np.zeros((len(idx), lengths.max()), dtype=np.int64)
+            for j, (p, r) in enumerate(zip(prompts, resps, strict=True)):
+                ids[j, : len(p) + len(r)] = p + r
+            attn = (np.arange(lengths.max())[None] < lengths[:, None]).astype(np.int64)
+            rows, cols = np.repeat(np.arange(len(idx)), rlen), np.repeat(plen - 1, rlen) + _aranges(rlen)
+            logits = model(input_ids=self._dev(ids), attention_mask=self._dev(attn)).logits[self._dev(rows),
+                                                                                              self._dev(cols)]
+            if entropy:
+                lp, ent = token_logprobs_entropy(logits, targets, t, compiled=self.compiled)
+            else:
+                lp, ent = token_logprobs(logits, targets, t, compiled=self.compiled), None
+        t_resp = int(rlen.max())
+        where = (self._dev(np.repeat(np.arange(len(idx)), rlen)), self._dev(_aranges(rlen)))
+
+        def padded(values: torch.Tensor) -> torch.Tensor:
+            return torch.zeros(len(idx), t_resp, device=self.device).index_put(where, values)
+
+        return (padded(lp), self._padded([batch.loss_mask[i] for i in idx], t_resp),
+                self._padded([batch.advantages[i] for i in idx], t_resp), None if ent is None else padded(ent))
+
+    def _dev(self, array: np.ndarray, dtype: torch.dtype = torch.long) -> torch.Tensor:
+        """A host array on the learner's device without waiting for the GPU: through pinned memory, asynchronously.
+        (`torch.tensor(..., device="cuda")` copies from pageable memory and then synchronizes the stream: each one
+        left the GPU idle while the CPU built the next input, 6% of a step on an H200.)"""
+        t = torch.from_numpy(np.ascontiguousarray(array)).to(dtype)
+        return t.pin_memory().to(self.device, non_blocking=True) if self.use_cuda else t
+
+    def _accumulate_locally(self, more: bool) -> None:
+        """One rank holds the whole model: while more micro-batches follow, keep the gathered bf16 weights and add
+        this micro-batch's gradients to an fp32 sum (FSDP2's no-sync accumulation) instead of re-gathering the
+        weights and "reducing" (copying, casting, adding) every gradient after each backward. The last micro-batch
+        reduces and reshards as usual. With several ranks the unsharded sums would cost each rank the full model's
+        gradients in fp32, so they reduce every micro-batch."""
+        if self.world_size == 1:
+            self.model.set_requires_gradient_sync(not more)
+            self.model.set_reshard_after_backward(not more)
+
+    def _padded(self, rows: list[list[float]], width: int) -> torch.Tensor:
+        out = np.zeros((len(rows), width), dtype=np.float32)
+        for j, r in enumerate(rows):
+            out[j, : len(r)] = r
+        return self._dev(out, torch.float32)
+
+    def _mark(self):
+        """A point in the step for the trace's learner spans: on GPU a CUDA event on the stream (no synchronize, so
+        the CPU keeps queueing work; `_times` reads them after the step's last sync), elsewhere the wall clock."""
+        if not self.use_cuda:
+            return time.time()
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def _times(self, events: list[dict], origin_wall: float, origin) -> None:
+        """Turn the events' marks into wall-clock seconds (GPU: the origin's wall time + the GPU time since it)."""
+        if not self.use_cuda:
+            return
+        torch.cuda.synchronize()
+        for e in events:
+            for key in ("start", "end"):
+                e[key] = origin_wall + origin.elapsed_time(e[key]) / 1000
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch: TrainBatch) -> list[list[float]]:
+        """Current policy's log-probs of every response token (for old-logprob recompute and for tests)."""
+        self.model.eval()
+        res: list[list[float]] = [[] for _ in range(len(batch))]
+        for idx in self._micro_batches(batch):
+            lp = self._logprobs(batch, idx)[0].cpu()
+            for j, i in enumerate(idx):
+                res[i] = lp[j, : len(batch.response_ids[i])].tolist()
+        return res
+
+    def train_step(self, batch: TrainBatch, old_logprobs: list[list[float]] | None = None) -> StepStats:
+        """One optimizer step on this rank's share of a mini-batch (all ranks call it together).
+
+        `old_logprobs=None` means on-policy (one mini-batch, one epoch, staleness 0): the behaviour policy
+        is the current one, so old = current.detach() and the ratio is exactly 1 — the recompute would be
+        a second identical forward pass. The entropy is computed every step (logged); it enters the loss as
+        verl's bonus, - algo.entropy_coeff x entropy aggregated by loss_agg_mode, when the coefficient is not 0.
+        """
+        t0, start_wall = time.perf_counter(), time.time()
+        start = self._mark()
+        self.model.train()
+        self.optim.zero_grad(set_to_none=True)
+        sums: dict[str, float] = {}
+        events: list[dict] = []  # forward / backward per micro-batch, then the optimizer step: spans for the trace
+
+        def event(name: str, s: float, e: float, **args) -> None:
+            events.append({"name": name, "start": s, "end": e, "rank": self.rank, "args": args})
+
+        micro_batches = self._micro_batches(batch)
+        for k, idx in enumerate(micro_batches):
+            self._accumulate_locally(k < len(micro_batches) - 1)
+            f0 = self._mark()
+            lp, mask, adv, ent = self._logprobs(batch, idx, entropy=True)
+            old = lp.detach() if old_logprobs is None else self._padded([old_logprobs[i] for i in idx], lp.shape[1])
+            # Normalised by mini-batch-wide counts, so summing micro-batches and averaging ranks (FSDP) gives
+            # exactly the mini-batch loss (see rayrl.algos).
+            ref = None
+            if self.ref is not None:
+                with torch.no_grad():
+                    ref = self._logprobs(batch, idx, model=self.ref)[0]
+            # entropy_coeff 0: the entropy stays out of the loss and its backward (it is only logged)
+            loss, metrics = algos.policy_loss(old, lp, adv, mask, self.cfg.algo, ref_logprobs=ref,
+                                              entropy=ent if self.cfg.algo.entropy_coeff else None,
+                                              global_token_count=batch.global_tokens,
+                                              global_seq_count=batch.global_seqs, dp_size=self.world_size,
+                                              loss_scale_factor=self.cfg.rollout.max_response_length)
+            f1 = self._mark()
+            loss.backward()
+            b1 = self._mark()
+            tokens = sum(len(batch.prompt_ids[i]) + len(batch.response_ids[i]) for i in idx)
+            event("forward", f0, f1, micro_batch=k, sequences=len(idx), tokens=tokens)
+            event("backward", f1, b1, micro_batch=k, sequences=len(idx), tokens=tokens)
+            # No .item() after backward: the next micro-batch's inputs are built while the GPU still runs this one.
+            share = sum(sum(batch.loss_mask[i]) for i in idx) / max(batch.global_tokens, 1)  # its token means' weight
+            sums["loss"] = sums.get("loss", 0.0) + loss.detach() / self.world_size
+            # token-mean over the mini-batch's loss mask (all ranks): this micro-batch's share
+            sums["entropy"] = sums.get("entropy", 0.0) + (ent.detach() * mask).sum() / max(batch.global_tokens, 1)
+            for key in ("pg_clipfrac", "ppo_kl"):
+                sums[key] = sums.get(key, 0.0) + float(metrics[key]) * share
+            if "kl_loss" in metrics:  # already this micro-batch's share of the mini-batch value
+                sums["kl_loss"] = sums.get("kl_loss", 0.0) + float(metrics["kl_loss"]) / self.world_size
+        o0 = self._mark()
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.learner.grad_clip)
+        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+        if np.isfinite(grad_norm):
+            self.optim.step()
+        else:
+            self.optim.zero_grad(set_to_none=True)  # skip a step whose gradients overflowed
+        end = self._mark()
+        event("optimizer_step", o0, end, grad_norm=grad_norm)
+        event("train_step", start, end, sequences=len(batch))
+        self._times(events, start_wall, start)  # on GPU: waits for the step to finish (seconds below include it)
+        # loss, pg_clipfrac, ppo_kl, entropy are this rank's shares of the mini-batch values: the driver sums over ranks
+        out = {k: float(v) for k, v in sums.items()}
+        main = ("loss", "pg_clipfrac", "ppo_kl", "entropy")
+        return StepStats(loss=out.get("loss", 0.0), pg_clipfrac=out.get("pg_clipfrac", 0.0),
+                         ppo_kl=out.get("ppo_kl", 0.0), entropy=out.get("entropy", 0.0), grad_norm=grad_norm,
+                         num_tokens=int(sum(sum(m) for m in batch.loss_mask)), seconds=time.perf_counter() - t0,
+                         extra={k: v for k, v in out.items() if k not in main}, events=events)
+
+    # --- weights out -----------------------------------------------------------------------------
+
+    def _full_state(self) -> dict[str, torch.Tensor]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        # Collective: every rank must call. With cpu_offload only rank 0 keeps the gathered tensors.
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def gpus(self) -> tuple[str, tuple[str, ...]]:
+        """(node id, GPU ids) of this rank, for engine.weight_sync=auto."""
+        return weight_sync.local_gpus()
+
+    def connect_weights(self, strategy: str, setup) -> None:
+        """`strategy`'s one-time setup on this rank (broadcast: rank 0 joins the learner -> engines group while the
+        engines do)."""
+        self._senders[strategy].connect(self.model, setup)
+
+    def send_weights(self, strategy: str, version: int, serve: bool = True):
+        """One sync's learner side; every rank calls (the gathers are collectives). `serve`: this rank delivers the
+        weights. Returns what the engines receive (object_store: the packet, cuda_ipc: the buffer's handle) or None."""
+        return self._senders[strategy].send(self.model, version, serve)
+
+    def export_hf(self, out_dir: str) -> str | None:
+        """Write the policy as a Hugging Face folder (rayrl.export.write_hf) from rank 0; every rank must call (the
+        full state dict is gathered collectively)."""
+        state = self._full_state()
+        return write_hf(state, self.model_path, out_dir) if self.rank == 0 else None
+
+    # --- checkpoints -----------------------------------------------------------------------------
+
+    def save(self, ckpt_dir: str) -> None:
+        """Sharded model + optimizer (torch.distributed.checkpoint) and this rank's RNG into ckpt_dir."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model_sd, optim_sd = get_state_dict(self.model, self.optim)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(ckpt_dir, "learner"))
+        rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
+               "cuda": torch.cuda.get_rng_state_all() if self.use_cuda else None}
+        torch.save(rng, os.path.join(ckpt_dir, f"rng_rank{self.rank}.pt"))
+
+    def load(self, ckpt_dir: str) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        for sender in self._senders.values():  # the load may replace parameter storage
+            sender.params_replaced()
+        model_sd, optim_sd = get_state_dict(self.model, self.optim)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=os.path.join(ckpt_dir, "learner"))
+        set_state_dict(self.model, self.optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        rng_path = os.path.join(ckpt_dir, f"rng_rank{self.rank}.pt")
+        if os.path.exists(rng_path):
+            rng = torch.load(rng_path, weights_only=False)
+            torch.set_rng_state(rng["torch"])
+            np.random.set_state(rng["numpy"])
+            random.setstate(rng["python"])
+            if self.use_cuda and rng["cuda"] is not None:
+                torch.cuda.set_rng_state_all(rng["cuda"])
+
+    def shutdown(self) -> None:
+        for sender in self._senders.values():  # e.g. the learner -> engines weight group (broadcast)
+            sender.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _aranges(counts: np.ndarray) -> np.ndarray:
+    """0..n-1 for each n in counts, concatenated: [2, 3] -> [0, 1, 0, 1, 2]."""
+    return np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts)
+
