@@ -5,7 +5,8 @@ boundaries (`cu_seq_lens_q`, `max_length_q`) passed to the model's forward. tran
 dense T x T block-diagonal mask, which rules out the flash kernel and made packing slower than padding on an H200.
 `rayrl_varlen` instead hands the boundaries to PyTorch's own varlen flash attention
 (`torch.nn.attention.varlen.varlen_attn`): no mask, no padding, each sequence attends causally to itself only.
-On CPU (tests) the same function runs causal sdpa per sequence, so the plumbing is checked where the kernel is not.
+On CPU (tests), and in fp32, the same function runs causal sdpa per sequence, so the plumbing is checked where the
+kernel is not. Sequence parallelism (rayrl.ulysses) wraps it in its all-to-all, on GPU and CPU alike.
 """
 
 from __future__ import annotations
@@ -57,7 +58,12 @@ def kernel_takes_gqa() -> bool:
 
 
 def varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kw):
-    """transformers attention function: query [1, Hq, T, D], key/value [1, Hkv, T, D] -> ([1, T, Hq, D], None)."""
+    """transformers attention function: query [1, Hq, T, D], key/value [1, Hkv, T, D] -> ([1, T, Hq, D], None).
+    With a `sequence_parallel` keyword (a rayrl.ulysses.SequenceParallel) T is this rank's part of the row, and the
+    all-to-all around this function gives it the whole row for its share of the heads."""
+    sp = kw.pop("sequence_parallel", None)
+    if sp is not None:
+        return sp.attention(varlen_attention, module, query, key, value, attention_mask, scaling, dropout, **kw)
     cu, longest = kw.get("cu_seq_lens_q"), kw.get("max_length_q")
     if cu is None or query.shape[0] != 1:
         raise RuntimeError(f"{NAME} attention runs on packed rows only (one row with cu_seq_lens_q); "
@@ -68,7 +74,8 @@ def varlen_attention(module, query, key, value, attention_mask, scaling=None, dr
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
         gqa = False
-    out = _flash(q, k, v, cu, longest, scaling, gqa) if q.is_cuda else _reference(q, k, v, cu, scaling)
+    flash = q.is_cuda and q.dtype in (torch.bfloat16, torch.float16)  # the flash kernel has no fp32
+    out = _flash(q, k, v, cu, longest, scaling, gqa) if flash else _reference(q, k, v, cu, scaling)
     return out.unsqueeze(0), None
 
 

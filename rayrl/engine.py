@@ -39,6 +39,9 @@ class Engine:
         self.inflight = 0
         self.tokens_out = 0
         self._backend = None
+        self._awake = asyncio.Event()  # cleared while asleep (engine.sleep_level): new requests wait for the wake
+        self._awake.set()
+        self.asleep_tags: set[str] = set()  # what sleep() freed and no wake_up() has restored yet
         # weights in: one receiver per strategy (rayrl/weight_sync/), the driver picks which
         self._receivers: dict[str, weight_sync.Receiver] = {
             name: strategy.Receiver() for name, strategy in weight_sync.STRATEGIES.items()}
@@ -49,10 +52,9 @@ class Engine:
 
     async def generate(self, prompt_ids: list[int], sampling: Sampling, request_id: str | None = None) -> Generation:
         self.inflight += 1
-        version = self.version
         try:
-            ids, lps, finish = await asyncio.wait_for(
-                self._backend.generate(prompt_ids, sampling, request_id or uuid.uuid4().hex), self.cfg.request_timeout)
+            ids, lps, finish, version = await asyncio.wait_for(
+                self._generate(prompt_ids, sampling, request_id or uuid.uuid4().hex), self.cfg.request_timeout)
         except asyncio.TimeoutError:
             raise TimeoutError(f"{self.name}: generate timed out after {self.cfg.request_timeout}s") from None
         finally:
@@ -60,6 +62,42 @@ class Engine:
         self.tokens_out += len(ids)
         return Generation(prompt_ids=list(prompt_ids), token_ids=ids, logprobs=lps, finish_reason=finish,
                           policy_version=version)
+
+    async def _generate(self, prompt_ids: list[int], sampling: Sampling, request_id: str):
+        await self._awake.wait()  # asleep: the request waits for the wake instead of failing
+        version = self.version
+        return *(await self._backend.generate(prompt_ids, sampling, request_id)), version
+
+    # --- GPU memory (engine.sleep_level; rayrl.colocate takes turns with the learner) ---
+
+    async def sleep(self, level: int) -> float:
+        """Free the GPU memory the engine holds (vLLM sleep mode): the KV cache, and the weights (level 1: offloaded
+        to CPU memory, level 2: discarded). Requests in flight finish first; new ones wait for wake_up. Seconds."""
+        t0 = time.perf_counter()
+        self._awake.clear()
+        deadline = time.monotonic() + self.cfg.sync_timeout
+        while self.inflight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.inflight:
+            self._awake.set()
+            raise TimeoutError(f"{self.name}: {self.inflight} requests still running after "
+                               f"engine.sync_timeout={self.cfg.sync_timeout:g}s; not going to sleep")
+        await self._sync(self._backend.sleep(level), None, f"sleep (level {level})")
+        self.asleep_tags = {"weights", "kv_cache"}
+        return time.perf_counter() - t0
+
+    async def wake_up(self, tags: list[str] | None = None) -> float:
+        """Take the memory back: `["weights"]` first (a weight sync can then load into them), `["kv_cache"]` last;
+        None = both. Requests run again once nothing is asleep. Seconds."""
+        t0 = time.perf_counter()
+        wanted = set(tags or ("weights", "kv_cache"))
+        todo = sorted(wanted & self.asleep_tags, reverse=True)  # weights before kv_cache
+        if todo:
+            await self._sync(self._backend.wake_up(todo), None, f"wake up ({', '.join(todo)})")
+        self.asleep_tags -= wanted
+        if not self.asleep_tags:
+            self._awake.set()
+        return time.perf_counter() - t0
 
     # --- weights in (rayrl/weight_sync/) ---
 
@@ -130,7 +168,8 @@ class _VLLM:
                                max_num_seqs=cfg.max_num_seqs, enable_prefix_caching=True,
                                gpu_memory_utilization=cfg.gpu_memory_utilization, max_logprobs=1,
                                # cuda_ipc / broadcast receive inside the worker process, by method name
-                               worker_extension_cls="rayrl.weight_sync.worker.WorkerExtension")
+                               worker_extension_cls="rayrl.weight_sync.worker.WorkerExtension",
+                               **({"enable_sleep_mode": True} if cfg.sleep_level else {}))
         self.llm = AsyncLLM.from_engine_args(args)
 
     async def generate(self, prompt_ids, s: Sampling, request_id):
@@ -156,6 +195,13 @@ class _VLLM:
 
     async def abort(self, request_id: str) -> None:
         await self.llm.abort(request_id)
+
+    async def sleep(self, level: int) -> None:
+        await self.llm.reset_prefix_cache()  # the cached KV is freed (and computed with the old weights)
+        await self.llm.sleep(level)
+
+    async def wake_up(self, tags: list[str]) -> None:
+        await self.llm.wake_up(tags)
 
     def unfinished(self) -> int:
         """Requests vLLM still holds (a request whose client left must not stay here)."""
@@ -242,6 +288,16 @@ class _HF:
 
     async def abort(self, request_id: str) -> None:
         pass  # one request at a time in a thread: it runs to its end (max_tokens bounds it)
+
+    async def sleep(self, level: int) -> None:
+        """The weights to CPU memory (level 1 and 2 alike: transformers has no KV cache between requests)."""
+        async with self.lock:
+            self.model.to("cpu")
+
+    async def wake_up(self, tags: list[str]) -> None:
+        if "weights" in tags:
+            async with self.lock:
+                self.model.to(self.device)
 
     def unfinished(self) -> int:
         return 1 if self.lock.locked() else 0

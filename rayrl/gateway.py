@@ -26,6 +26,7 @@ from typing import Any
 
 import ray
 
+from rayrl import templates
 from rayrl.chat import (
     ROLE_DELTA,
     ApiError,
@@ -51,10 +52,9 @@ class Gateway:
     """Plain class (requests -> sessions, prompts, engines, records); `GatewayActor` below is the Ray actor."""
 
     def __init__(self, cfg: Config, model_path: str, engines: list, model_name: str | None = None):
-        from transformers import AutoTokenizer
-
         self.cfg, self.model_path, self.engines = cfg, model_path, engines
-        self.tok = AutoTokenizer.from_pretrained(model_path)
+        # model.chat_template: the template prompts are rendered with (and tool calls parsed from), as `rayrl sft` does
+        self.tok = templates.tokenizer(model_path, cfg.model.chat_template)
         g = cfg.gateway
         self.model_name = model_name or g.model_name
         self.aliases = {self.model_name, model_path, model_path.rstrip("/").split("/")[-1]}

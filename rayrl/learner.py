@@ -18,9 +18,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from rayrl import algos, attention, weight_sync
+from rayrl import algos, attention, offload, weight_sync
 from rayrl.batching import token_budget_bins
-from rayrl.config import Config
+from rayrl.config import Config, sequence_parallel_heads_error
 from rayrl.export import write_hf
 from rayrl.logprobs import LogprobHead, token_logprobs, token_logprobs_entropy
 from rayrl.types import StepStats, TrainBatch
@@ -41,6 +41,7 @@ class Learner:
         self.use_cuda = cfg.learner.gpus_per_worker > 0 and torch.cuda.is_available()
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.use_cuda else torch.device("cpu")
         self.compiled = self.use_cuda if cfg.learner.compile is None else cfg.learner.compile
+        self.params_offloaded = False  # learner.param_offload: parameters in CPU memory since the last offload()
         # weights out: one sender per strategy (rayrl/weight_sync/), the driver picks which
         self._senders: dict[str, weight_sync.Sender] = {
             name: strategy.Sender(cfg, self.device, world_size) for name, strategy in weight_sync.STRATEGIES.items()}
@@ -67,13 +68,22 @@ class Learner:
             dist.init_process_group("nccl" if self.use_cuda else "gloo",
                                     init_method=f"tcp://{master_addr}:{master_port}", rank=self.rank,
                                     world_size=self.world_size, timeout=datetime.timedelta(minutes=30))
+        # learner.sequence_parallel: groups of k ranks share a shard, 1/k of each packed row per rank (rayrl.ulysses)
+        self.sp, self.sp_size = None, self.cfg.learner.sequence_parallel
+        if self.sp_size > 1:
+            from rayrl.ulysses import SequenceParallel
+
+            self.sp = SequenceParallel.create(self.sp_size, self.device.type)
         torch.manual_seed(self.cfg.trainer.seed + self.rank)
         dtype = getattr(torch, self.cfg.model.dtype)
         # Master weights in fp32; bf16 only for compute (mixed precision) when asked. Packed rows on GPU attend
         # through varlen flash attention (rayrl.attention); elsewhere transformers' default (sdpa) masks them.
         flash = dtype in (torch.bfloat16, torch.float16)  # the flash kernel has no fp32; sdpa masks packed rows then
-        attn = attention.register() if self.use_cuda and self.cfg.learner.pack and flash else None
+        attn = attention.register() if (self.use_cuda and self.cfg.learner.pack and flash) or self.sp else None
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32, attn_implementation=attn)
+        if self.sp is not None and (why := sequence_parallel_heads_error(
+                model.config.num_attention_heads, model.config.num_key_value_heads, self.sp_size)):
+            raise ValueError(f"model.path {self.model_path!r}: {why}")
         if self.cfg.model.gradient_checkpointing:
             model.gradient_checkpointing_enable()
         model.config.use_cache = False
@@ -125,18 +135,20 @@ class Learner:
             n = int(count.item())
         return token_budget_bins(lengths, lc.max_tokens_per_micro_batch, min_bins=n)
 
-    def _logprobs(self, batch: TrainBatch, idx: list[int], model=None, entropy: bool = False
+    def _logprobs(self, batch: TrainBatch, idx: list[int], model=None, entropy: bool = False,
+                  temperature: float | None = None
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Log-probs of the response tokens of sequences `idx`, with their loss mask, advantages and (with
         `entropy`, else None) the policy's entropy at each of those positions, from the same chunked pass; each
-        right-padded to [len(idx), T_resp] (zeros after each response) as rayrl.algos wants them."""
+        right-padded to [len(idx), T_resp] (zeros after each response) as rayrl.algos wants them. `temperature`:
+        None = rollout.temperature."""
         model = model or self.model
         prompts, resps = [batch.prompt_ids[i] for i in idx], [batch.response_ids[i] for i in idx]
         plen, rlen = np.array([len(p) for p in prompts]), np.array([len(r) for r in resps])
         lengths = plen + rlen
         targets = self._dev(np.fromiter(itertools.chain.from_iterable(resps), np.int64))
         # temperature: the distribution the tokens were sampled from (verl's entropy is of that one too)
-        t = self.cfg.rollout.temperature
+        t = self.cfg.rollout.temperature if temperature is None else temperature
         # logits at position t predict token t+1: a response of n tokens after a prompt of p is predicted by
         # [p-1, p+n-1)
         if self.cfg.learner.pack:
@@ -146,20 +158,29 @@ class Learner:
             ids = np.fromiter(itertools.chain.from_iterable(seqs), np.int64)
             bounds = np.concatenate([[0], np.cumsum(lengths)])  # where each sequence starts, and the end
             keep = np.repeat(bounds[:-1] + plen - 1, rlen) + _aranges(rlen)
+            row, positions = self._dev(ids[None]), self._dev(_aranges(lengths)[None])
+            if self.sp is not None:  # this rank's 1/k of the row and of its response positions (rayrl.ulysses)
+                row, positions, padded = self.sp.split_row(row, positions)
+                bounds = np.append(bounds, padded) if padded > bounds[-1] else bounds  # the padding: a sequence
+                counts = self.sp.keep_counts(keep, padded)
+                keep, targets = self.sp.local_keep(keep, targets, padded)
             # Sequence boundaries for flash attention's varlen kernel, which otherwise derives them from position_ids
             # in every layer (the other attention implementations ignore them).
-            cu = self._dev(bounds, torch.int32)
-            varlen = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": int(lengths.max()),
-                      "max_length_k": int(lengths.max())}
+            cu, longest = self._dev(bounds, torch.int32), int(np.diff(bounds).max())
+            varlen = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": longest, "max_length_k": longest}
+            if self.sp is not None:
+                varlen["sequence_parallel"] = self.sp  # read by rayrl.attention.varlen_attention
             # logits_to_keep: the lm_head runs on the response-predicting positions only, and it is a LogprobHead
             # bound to their targets: the model's "logits" are the log-probs (and entropies), [N_resp, 1 or 2].
             # use_cache=False: with a KV cache transformers ignores the packing (the reference model keeps use_cache).
             model.lm_head.bind(targets, t, entropy)
             try:
-                out = model(input_ids=self._dev(ids[None]), position_ids=self._dev(_aranges(lengths)[None]),
-                            logits_to_keep=self._dev(keep), use_cache=False, **varlen).logits[0]
+                out = model(input_ids=row, position_ids=positions, logits_to_keep=self._dev(keep), use_cache=False,
+                            **varlen).logits[0]
             finally:
                 model.lm_head.bind(None)
+            if self.sp is not None:  # every rank of the group: the whole shard's log-probs
+                out = self.sp.gather(out, counts)
             lp, ent = out[:, 0], (out[:, 1] if entropy else None)
         else:  # right-padded to the longest sequence, full logits (the pre-packing path, kept for comparison)
             ids = np.zeros((len(idx), lengths.max()), dtype=np.int64)
@@ -226,6 +247,7 @@ class Learner:
     @torch.no_grad()
     def compute_logprobs(self, batch: TrainBatch) -> list[list[float]]:
         """Current policy's log-probs of every response token (for old-logprob recompute and for tests)."""
+        self._resident()
         self.model.eval()
         res: list[list[float]] = [[] for _ in range(len(batch))]
         for idx in self._micro_batches(batch):
@@ -243,6 +265,7 @@ class Learner:
         verl's bonus, - algo.entropy_coeff x entropy aggregated by loss_agg_mode, when the coefficient is not 0.
         """
         t0, start_wall = time.perf_counter(), time.time()
+        moves = self._resident()
         start = self._mark()
         self.model.train()
         self.optim.zero_grad(set_to_none=True)
@@ -268,7 +291,8 @@ class Learner:
             loss, metrics = algos.policy_loss(old, lp, adv, mask, self.cfg.algo, ref_logprobs=ref,
                                               entropy=ent if self.cfg.algo.entropy_coeff else None,
                                               global_token_count=batch.global_tokens,
-                                              global_seq_count=batch.global_seqs, dp_size=self.world_size,
+                                              global_seq_count=batch.global_seqs,
+                                              dp_size=self.world_size // self.sp_size,  # data-parallel groups
                                               loss_scale_factor=self.cfg.rollout.max_response_length)
             f1 = self._mark()
             loss.backward()
@@ -277,32 +301,84 @@ class Learner:
             event("forward", f0, f1, micro_batch=k, sequences=len(idx), tokens=tokens)
             event("backward", f1, b1, micro_batch=k, sequences=len(idx), tokens=tokens)
             # No .item() after backward: the next micro-batch's inputs are built while the GPU still runs this one.
-            share = sum(sum(batch.loss_mask[i]) for i in idx) / max(batch.global_tokens, 1)  # its token means' weight
+            # its token means' weight (k ranks of a sequence-parallel group report the same shard: 1/k each)
+            share = sum(sum(batch.loss_mask[i]) for i in idx) / max(batch.global_tokens, 1) / self.sp_size
             sums["loss"] = sums.get("loss", 0.0) + loss.detach() / self.world_size
             # token-mean over the mini-batch's loss mask (all ranks): this micro-batch's share
-            sums["entropy"] = sums.get("entropy", 0.0) + (ent.detach() * mask).sum() / max(batch.global_tokens, 1)
+            sums["entropy"] = sums.get("entropy", 0.0) + (ent.detach() * mask).sum() / max(batch.global_tokens, 1) \
+                / self.sp_size
             for key in ("pg_clipfrac", "ppo_kl"):
                 sums[key] = sums.get(key, 0.0) + float(metrics[key]) * share
             if "kl_loss" in metrics:  # already this micro-batch's share of the mini-batch value
                 sums["kl_loss"] = sums.get("kl_loss", 0.0) + float(metrics["kl_loss"]) / self.world_size
         o0 = self._mark()
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.learner.grad_clip)
-        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
-        if np.isfinite(grad_norm):
-            self.optim.step()
-        else:
-            self.optim.zero_grad(set_to_none=True)  # skip a step whose gradients overflowed
+        grad_norm = self._optimizer_step(moves)
         end = self._mark()
         event("optimizer_step", o0, end, grad_norm=grad_norm)
         event("train_step", start, end, sequences=len(batch))
         self._times(events, start_wall, start)  # on GPU: waits for the step to finish (seconds below include it)
         # loss, pg_clipfrac, ppo_kl, entropy are this rank's shares of the mini-batch values: the driver sums over ranks
         out = {k: float(v) for k, v in sums.items()}
+        for m in moves:  # offload/<what>_to_<cpu|cuda>_s, seconds of this step's moves
+            key = f"offload/{m.what}_to_{m.device.split(':')[0]}_s"
+            out[key] = out.get(key, 0.0) + m.seconds
         main = ("loss", "pg_clipfrac", "ppo_kl", "entropy")
         return StepStats(loss=out.get("loss", 0.0), pg_clipfrac=out.get("pg_clipfrac", 0.0),
                          ppo_kl=out.get("ppo_kl", 0.0), entropy=out.get("entropy", 0.0), grad_norm=grad_norm,
                          num_tokens=int(sum(sum(m) for m in batch.loss_mask)), seconds=time.perf_counter() - t0,
                          extra={k: v for k, v in out.items() if k not in main}, events=events)
+
+    def _optimizer_step(self, moves: list) -> float:
+        """Clip the accumulated gradients, step (skipped when their norm is not finite: they overflowed), free them.
+        Returns the global gradient norm before clipping; appends the optimizer state's moves (optimizer_offload)."""
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.learner.grad_clip)
+        grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
+        if np.isfinite(grad_norm):
+            if self.cfg.learner.optimizer_offload:  # the AdamW state is on the GPU for the step only
+                moves.append(offload.timed("optimizer", self.device, offload.move_optimizer, self.optim))
+            self.optim.step()
+            if self.cfg.learner.optimizer_offload:
+                moves.append(offload.timed("optimizer", torch.device("cpu"), offload.move_optimizer, self.optim))
+        self.optim.zero_grad(set_to_none=True)  # the gradients' memory is free until the next backward
+        return grad_norm
+
+    # --- supervised fine-tuning (rayrl.sft) --------------------------------------------------------
+
+    def sft_step(self, batch: TrainBatch, lr: float) -> StepStats:
+        """One SFT optimizer step at learning rate `lr` on this rank's share of a batch (all ranks call it together):
+        loss = -log p(token) token-mean over the loss mask (the assistant's tokens) of the whole batch, all ranks
+        (batch.global_tokens), at temperature 1. The same packed micro-batches and log-prob pass as train_step.
+        `loss` is this rank's share (the driver sums over ranks)."""
+        t0 = time.perf_counter()
+        moves = self._resident()
+        self.model.train()
+        self.optim.zero_grad(set_to_none=True)
+        for group in self.optim.param_groups:
+            group["lr"] = lr
+        loss_sum = torch.zeros((), device=self.device)
+        micro_batches = self._micro_batches(batch)
+        for k, idx in enumerate(micro_batches):
+            self._accumulate_locally(k < len(micro_batches) - 1)
+            nll = self._nll(batch, idx)
+            # x data-parallel groups: FSDP averages the gradients over ranks, the loss is a sum over all of them
+            (nll * (self.world_size // self.sp_size)).backward()
+            loss_sum += nll.detach()
+        grad_norm = self._optimizer_step(moves)
+        return StepStats(loss=float(loss_sum) / self.sp_size, pg_clipfrac=0.0, ppo_kl=0.0, entropy=0.0,
+                         grad_norm=grad_norm, num_tokens=int(sum(sum(m) for m in batch.loss_mask)),
+                         seconds=time.perf_counter() - t0)
+
+    @torch.no_grad()
+    def sft_loss(self, batch: TrainBatch) -> float:
+        """This rank's share of the batch's SFT loss (as sft_step computes it), without a step: validation."""
+        self._resident()
+        self.model.eval()
+        return sum(float(self._nll(batch, idx)) for idx in self._micro_batches(batch)) / self.sp_size
+
+    def _nll(self, batch: TrainBatch, idx: list[int]) -> torch.Tensor:
+        """Sum of -log p over the loss mask of sequences `idx`, divided by the batch's global token count."""
+        lp, mask, _, _ = self._logprobs(batch, idx, temperature=1.0)
+        return -(lp * mask).sum() / max(batch.global_tokens, 1)
 
     # --- weights out -----------------------------------------------------------------------------
 
@@ -324,11 +400,13 @@ class Learner:
     def send_weights(self, strategy: str, version: int, serve: bool = True):
         """One sync's learner side; every rank calls (the gathers are collectives). `serve`: this rank delivers the
         weights. Returns what the engines receive (object_store: the packet, cuda_ipc: the buffer's handle) or None."""
+        self._resident()
         return self._senders[strategy].send(self.model, version, serve)
 
     def export_hf(self, out_dir: str) -> str | None:
         """Write the policy as a Hugging Face folder (rayrl.export.write_hf) from rank 0; every rank must call (the
         full state dict is gathered collectively)."""
+        self._resident()
         state = self._full_state()
         return write_hf(state, self.model_path, out_dir) if self.rank == 0 else None
 
@@ -339,6 +417,7 @@ class Learner:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
+        self._resident()
         model_sd, optim_sd = get_state_dict(self.model, self.optim)
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(ckpt_dir, "learner"))
         rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
@@ -349,6 +428,7 @@ class Learner:
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+        self._resident()
         for sender in self._senders.values():  # the load may replace parameter storage
             sender.params_replaced()
         model_sd, optim_sd = get_state_dict(self.model, self.optim)
@@ -363,6 +443,41 @@ class Learner:
             random.setstate(rng["python"])
             if self.use_cuda and rng["cuda"] is not None:
                 torch.cuda.set_rng_state_all(rng["cuda"])
+
+    # --- GPU memory (colocated with engines: rayrl.colocate) ------------------------------------------------------
+
+    def offload(self) -> list[offload.Moved]:
+        """learner.param_offload: parameters and gradients (and the frozen reference) to CPU memory until the next
+        call that needs them; the optimizer state already lives there between steps with optimizer_offload."""
+        if not self.cfg.learner.param_offload or self.params_offloaded or not self.use_cuda:
+            return []
+        for sender in self._senders.values():  # drop their views of the GPU storage, or it stays allocated
+            sender.params_replaced()
+        cpu = torch.device("cpu")
+        moved = [offload.timed("params", cpu, offload.move_model, m) for m in (self.model, self.ref) if m is not None]
+        self.params_offloaded = True
+        return moved
+
+    def _resident(self) -> list[offload.Moved]:
+        """Parameters back on the GPU if offload() moved them (their storage changes: the senders re-read it)."""
+        if not self.params_offloaded:
+            return []
+        moved = [offload.timed("params", self.device, offload.move_model, m) for m in (self.model, self.ref)
+                 if m is not None]
+        for sender in self._senders.values():
+            sender.params_replaced()
+        self.params_offloaded = False
+        return moved
+
+    def memory(self) -> dict[str, float]:
+        """GiB of this rank's GPU: free on the device (every process on it counted), allocated and reserved by this
+        process; empty on CPU."""
+        if not self.use_cuda:
+            return {}
+        free, total = torch.cuda.mem_get_info()
+        return {"free_gib": free / 2**30, "total_gib": total / 2**30,
+                "allocated_gib": torch.cuda.memory_allocated() / 2**30,
+                "reserved_gib": torch.cuda.memory_reserved() / 2**30}
 
     def shutdown(self) -> None:
         for sender in self._senders.values():  # e.g. the learner -> engines weight group (broadcast)

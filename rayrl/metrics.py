@@ -11,7 +11,10 @@ CONSOLE_KEYS = [("reward/mean", "reward {:.3f}"), ("reward/std", "±{:.3f}"), ("
                 ("rollout/tokens_per_s", "rollout {:.0f} tok/s"), ("time/step_s", "step {:.1f}s"),
                 ("trajectories/failed", "failed {:.0f}"), ("actor/loss", "loss {:+.4f}"),
                 ("actor/entropy", "entropy {:.3f}"), ("actor/grad_norm", "gnorm {:.3f}"),
-                ("sync/seconds", "sync {:.2f}s"), ("policy/version", "v{:.0f}")]
+                ("sync/seconds", "sync {:.2f}s"), ("policy/version", "v{:.0f}"),
+                # rayrl sft's steps
+                ("sft/loss", "loss {:.4f}"), ("sft/val_loss", "val_loss {:.4f}"), ("sft/lr", "lr {:.2e}"),
+                ("sft/grad_norm", "gnorm {:.3f}"), ("sft/tokens_per_s", "{:.0f} tok/s"), ("sft/epoch", "epoch {:.2f}")]
 
 # Dashboard gauge -> (the step-metrics key it shows, its help). Tagged with the run's experiment name.
 DASHBOARD = {
@@ -47,7 +50,7 @@ def dashboard(m: dict[str, float], run: str) -> None:
 
 class StepLogger:
     def __init__(self, output_dir: str, loggers: list[str], total_steps: int, start_step: int, run_config: dict,
-                 name: str):
+                 name: str, project: str = "rayrl"):
         from tqdm import tqdm
 
         os.makedirs(output_dir, exist_ok=True)
@@ -56,14 +59,16 @@ class StepLogger:
         self.bar = tqdm(total=total_steps, initial=start_step, desc="train", unit="step", file=sys.stdout,
                         disable=not self.console, dynamic_ncols=True)
         self.name = name
+        self.output_dir = output_dir
         self.tb = self.wandb = None
+        self._generations: list[list] = []  # every validation's rows so far: wandb tables are rebuilt whole
         if "tensorboard" in loggers:
             try:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError:
                 raise RuntimeError("trainer.logger has 'tensorboard' but the tensorboard package is not installed "
                                    "(pip install tensorboard)") from None
-            self.tb = SummaryWriter(os.path.join(output_dir, "tensorboard"))
+            self.tb = SummaryWriter(os.path.join(output_dir, "tensorboard", project, name))
         if "wandb" in loggers:
             try:
                 import wandb
@@ -72,7 +77,7 @@ class StepLogger:
                                    "(pip install wandb)") from None
             # WANDB_MODE=offline works without an account; the run syncs later with `wandb sync`.
             mode = os.environ.get("WANDB_MODE", "online" if os.environ.get("WANDB_API_KEY") else "offline")
-            self.wandb = wandb.init(project="rayrl", name=name, config=run_config, dir=output_dir, mode=mode)
+            self.wandb = wandb.init(project=project, name=name, config=run_config, dir=output_dir, mode=mode)
 
     def log(self, step: int, m: dict[str, float]) -> None:
         self.jsonl.write(json.dumps({"step": step, **m}) + "\n")
@@ -86,8 +91,27 @@ class StepLogger:
             self.wandb.log(m, step=step)
         if self.console:
             parts = [fmt.format(m[k]) for k, fmt in CONSOLE_KEYS if k in m]
+            parts += [f"val {k[len('val-core/'):k.rindex('/acc/')]} acc{k[k.rindex('@'):]} {v:.3f}"
+                      for k, v in m.items() if k.startswith("val-core/") and "/acc/mean@" in k]
             self.bar.write(f"step {step}: " + "  ".join(parts))
             self.bar.update(1)
+
+    def generations(self, step: int, rows: list[dict]) -> None:
+        """`trainer.log_val_generations`: one validation's sampled generations (`val_generations`) to
+        output_dir/val_generations.jsonl, tensorboard text and a wandb table (verl's `val/generations`)."""
+        with open(os.path.join(self.output_dir, "val_generations.jsonl"), "a") as f:
+            f.writelines(json.dumps({"step": step, **r}, ensure_ascii=False) + "\n" for r in rows)
+        if self.tb is not None:
+            self.tb.add_text("val/generations", "".join(
+                f"### Sample {i + 1} ({r['data_source']})\n**Input:** {r['prompt']}\n\n**Output:** {r['response']}"
+                f"\n\n**Score:** {r['score']}\n\n---\n\n" for i, r in enumerate(rows)), step)
+            self.tb.flush()
+        if self.wandb is not None:
+            import wandb
+
+            self._generations += [[step, r["data_source"], r["prompt"], r["response"], r["score"]] for r in rows]
+            self.wandb.log({"val/generations": wandb.Table(
+                columns=["step", "data_source", "prompt", "response", "score"], data=self._generations)}, step=step)
 
     def info(self, text: str) -> None:
         if self.console:
@@ -110,32 +134,50 @@ def summarize(values: list[float]) -> tuple[float, float]:
 
 
 def val_metrics(trajs: list) -> dict[str, float]:
-    """Validation scores per data source, as verl reports them: mean@n (mean reward, a failed sample counts 0),
-    pass@n (verl's best@n: the best reward among a prompt's n samples), maj@n (the reward of the prompt's most
-    common extracted answer), averaged over prompts; plus the number of failed samples."""
-    from collections import Counter, defaultdict
+    """Validation metrics per data source, computed and named as verl does: its `process_validation_metrics` over
+    each sample's acc, reward and pred, grouped by prompt; `val-core/<source>/acc/{mean,best,maj}@n...` for the
+    largest n (samples per prompt), everything else `val-aux/...`. acc is on a 0-1 scale (`val_acc`) and a failed
+    sample counts 0 (verl 0.9 counts a missing sample's acc 0 too); reward is the trained reward of the successful
+    samples; pred, the extracted answer, is maj@n's vote."""
+    from verl.trainer.ppo.metric_utils import process_validation_metrics  # the driver has verl loaded already
 
     from rayrl.rewards import extract_answer
 
-    by_source: dict[str, dict[str, list]] = defaultdict(lambda: defaultdict(list))
-    for t in trajs:
-        by_source[t.data_source][t.group_id].append(t)
-    out: dict[str, float] = {"val/failed": float(sum(not t.ok for t in trajs))}
-    for source, groups in sorted(by_source.items()):
-        n = max(len(g) for g in groups.values())
-        means, bests, majs = [], [], []
-        for g in groups.values():
-            rewards = [t.reward if t.ok else 0.0 for t in g]
-            means.append(sum(rewards) / len(rewards))
-            bests.append(max(rewards))
-            votes = [(extract_answer(str(t.answer)) or str(t.answer), r)
-                     for t, r in zip(g, rewards, strict=True) if t.ok]
-            top = Counter(a for a, _ in votes).most_common(1)
-            majs.append(next(r for a, r in votes if a == top[0][0]) if top else 0.0)
-        for name, vals in (("mean", means), ("pass", bests), ("maj", majs)):
-            out[f"val/{source}/{name}@{n}"] = sum(vals) / len(vals)
-    out["val/reward_mean"] = sum(t.reward if t.ok else 0.0 for t in trajs) / max(len(trajs), 1)
+    infos: dict[str, list] = {"acc": [val_acc(t) for t in trajs],
+                              "reward": [t.reward if t.ok else None for t in trajs],
+                              "pred": [(extract_answer(str(t.answer)) or "") if t.ok else "" for t in trajs]}
+    metrics = process_validation_metrics([t.data_source for t in trajs], [t.group_id for t in trajs], infos)
+    out: dict[str, float] = {}
+    for source, var2metric in sorted(metrics.items()):
+        for var, metric in var2metric.items():
+            n_max = max(int(name.split("@")[-1].split("/")[0]) for name in metric)
+            for name, value in metric.items():  # verl's ray_trainer._val_metrics_update, with acc as the core var
+                core = var == "acc" and name.startswith(("mean", "maj", "best")) and f"@{n_max}" in name
+                out[f"{'val-core' if core else 'val-aux'}/{source}/{var}/{name}"] = float(value)
+    out["val-aux/failed"] = float(sum(not t.ok for t in trajs))
     return out
+
+
+def val_acc(t) -> float:
+    """A validation sample's accuracy in [0, 1]: its score before the overlong penalty, clipped. math_dapo's and
+    ReTool's +1 / negative scores give verl's acc 1 / 0; a 0-1 scorer's score is its acc (verl: acc = score for a
+    scorer that returns a number). A failed sample: 0."""
+    if not t.ok:
+        return 0.0
+    return min(max(t.reward - t.metadata.get("overlong_penalty", 0.0), 0.0), 1.0)
+
+
+def val_generations(trajs: list, n: int, decode) -> list[dict]:
+    """The `trainer.log_val_generations` samples, picked as verl picks them (sorted by prompt, shuffled with seed
+    42, the first n): data_source, prompt and response text (`decode(token_ids)`, tool results included), score
+    (the reward; None for a failed sample, which also gets its error)."""
+    import numpy as np
+
+    picked = sorted(((decode(t.prompt_ids), t.task_id, t) for t in trajs), key=lambda p: p[:2])
+    np.random.RandomState(42).shuffle(picked)
+    return [{"data_source": t.data_source, "prompt": prompt, "response": decode(t.response_ids),
+             "score": t.reward if t.ok else None, **({"error": t.error} if t.error else {})}
+            for prompt, _, t in picked[:n]]
 
 
 def tool_metrics(trajs: list) -> dict[str, float]:

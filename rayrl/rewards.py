@@ -5,6 +5,8 @@
 - "reasoning_gym": reasoning-gym's own `score_answer` for the entry in extra_info["entry"];
 - "math_dapo": verl's DAPO scorer ("Answer: x" or \\boxed{x}; +1 correct, -1 wrong);
 - "math_verify": Hugging Face math-verify (symbolic equivalence; 1 correct, 0 wrong);
+- "retool": verl's recipe/retool `compute_score`: math_dapo with strict \\boxed{} verification, a wrong answer's -1
+  raised by the turns it took (extra_info["num_turns"]), at most to -0.6;
 - "auto": reasoning_gym for "reasoning_gym/..." data sources, else verl's default_compute_score;
 - "module:function": a custom scorer with the same signature.
 
@@ -120,6 +122,25 @@ def score_math_dapo(data_source: str, solution_str: str, ground_truth: Any, extr
     return as_score(math_dapo.compute_score(solution_str, _text(ground_truth)))
 
 
+def score_retool(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None) -> float:
+    """verl v0.6.1 recipe/retool's compute_score: +1.0 when the last \\boxed{} of the answer's last 100 characters
+    equals the ground truth as written (math_dapo's strict_box_verify: no normalisation, no "Answer:" line), else
+    -1.0 + 0.05 per turn beyond two, capped at -0.6: a wrong answer reached by calling the tool scores above one
+    that did not. extra_info["num_turns"] is verl's count (tool/user turns + model replies + 1: 2 for one reply,
+    4 for a call and an answer). verl scores the decoded whole response, rayrl the agent's answer (its last reply):
+    the same text wherever that reply holds the box in its last 100 characters."""
+    from verl.utils.reward_score import math_dapo  # imports torch via verl/__init__
+
+    num_turns = (extra_info or {}).get("num_turns")
+    if isinstance(num_turns, bool) or not isinstance(num_turns, int):
+        raise ValueError(f"reward.fn=retool needs the episode's turn count in extra_info['num_turns'] (an int), "
+                         f"got {num_turns!r}")
+    score = as_score(math_dapo.compute_score(solution_str, _text(ground_truth), strict_box_verify=True))
+    if score < 0:
+        score = min(-0.6, score + (num_turns - 2) / 2 * 0.1)
+    return score
+
+
 def score_math_verify(data_source: str, solution_str: str, ground_truth: Any, extra_info: dict | None) -> float:
     """math-verify equivalence: 1.0 or 0.0.
 
@@ -172,6 +193,7 @@ BUILTIN_SCORERS: dict[str, Scorer] = {
     "reasoning_gym": score_reasoning_gym,
     "math_dapo": score_math_dapo,
     "math_verify": score_math_verify,
+    "retool": score_retool,
 }
 
 
@@ -211,7 +233,7 @@ def warm(spec: str) -> None:
     try:
         if spec in ("reasoning_gym", "auto"):
             import reasoning_gym  # noqa: F401
-        if spec in ("math_dapo", "auto"):
+        if spec in ("math_dapo", "retool", "auto"):
             import verl.utils.reward_score
             import verl.utils.reward_score.math_dapo  # noqa: F401
         if spec == "math_verify":

@@ -3,7 +3,9 @@
 Each episode: lease -> open a Gateway session -> agent(ctx, config) with `ctx.llm` an AsyncOpenAI client
 bound to that session -> close the session (its record holds the exact token ids, logprobs and loss mask)
 -> reward (the agent's, or the RewardActor's) -> ack with the Trajectory. Anything that raises or times
-out becomes a failed Trajectory carrying the exception text; the worker goes on.
+out becomes a failed Trajectory carrying the exception text; the worker goes on. Except an over-long episode:
+an agent that raised because the Gateway refused its next call for want of tokens (`sessions.ran_out`) gives a
+truncated trajectory, scored and trained as verl does (`reward.overlong_buffer_len`: DAPO's penalty on top).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from rayrl.agent import TaskContext, session_client
 from rayrl.config import Config, check_callable
 from rayrl.sandbox import SandboxPool
 from rayrl.sandbox.client import ActorSandbox
+from rayrl.sessions import ran_out
 from rayrl.types import SessionRecord, Task, Trajectory
 
 
@@ -84,7 +87,11 @@ class Rollout:
         except Exception as e:  # noqa: BLE001
             return self._trajectory(task, SessionRecord(sid, task.task_id), t0=t0, error=f"gateway: {_describe(e)}")
         if error is not None:
-            return self._trajectory(task, rec, error=error, t0=t0)
+            if not ran_out(rec):
+                return self._trajectory(task, rec, error=error, t0=t0)
+            # Over-long: the budget ran out mid-episode and the refused call raised in the agent. verl trains such a
+            # response truncated at max_response_length and scores it: here, as an episode that gave no answer.
+            out = {"answer": "", "metadata": {"truncated": error}}
         t_agent = time.perf_counter()
         reward, error = out.get("reward"), None
         metadata = dict(out.get("metadata") or {})
@@ -92,8 +99,17 @@ class Rollout:
             error = "the agent made no LLM call: nothing to train on"
         elif reward is None:
             w0 = time.time()
-            reward, error = await self._score(task, out.get("answer"))
+            # verl's turn count (tool/user turns + replies + 1); an agent that does not report it alternated: 2 per call
+            num_turns = metadata.get("num_turns", 2 * rec.num_turns)
+            reward, error = await self._score(reward_request(task, out.get("answer"), num_turns))
             metadata.setdefault("events", []).append({"name": "reward", "start": w0, "end": time.time()})
+        rw = self.cfg.reward
+        if reward is not None and error is None and rw.overlong_buffer_len:
+            penalty = overlong_penalty(len(rec.response_ids), r.max_response_length, rw.overlong_buffer_len,
+                                       rw.overlong_penalty_factor)
+            if penalty:
+                metadata["overlong_penalty"] = penalty  # validation's acc is taken before it
+                reward = float(reward) + penalty
         if rec.parse_errors:
             metadata.setdefault("tool_parse_errors", rec.parse_errors)
         return self._trajectory(task, rec, reward=reward, error=error, answer=out.get("answer"),
@@ -112,11 +128,7 @@ class Rollout:
             self._http_loop = loop
         return self._http
 
-    async def _score(self, task: Task, answer) -> tuple[float | None, str | None]:
-        from rayrl.scoring import RewardRequest
-
-        req = RewardRequest(task_id=task.task_id, data_source=task.data_source, solution_str=str(answer or ""),
-                            ground_truth=task.ground_truth, extra_info=task.extra_info)
+    async def _score(self, req) -> tuple[float | None, str | None]:
         try:
             [res] = await asyncio.wait_for(self.reward.score.remote([req]), self.cfg.reward.timeout + 30)
         except Exception as e:  # noqa: BLE001 - the reward actor died or hung: a failed trajectory
@@ -140,6 +152,22 @@ class Rollout:
                           metadata=metadata or {}, finish_reason=s.finish_reason, num_turns=s.num_turns,
                           policy_version=task.policy_version if s.policy_version is None else s.policy_version,
                           timings=timings, error=error, worker=self.worker_id, events=events)
+
+
+def overlong_penalty(length: int, max_length: int, buffer_len: int, factor: float) -> float:
+    """DAPO's overlong penalty (verl's DAPORewardManager with reward_model.overlong_buffer): 0 up to
+    max_length - buffer_len response tokens (tool results included, as verl counts them), then linearly down to
+    -factor at max_length."""
+    return min(-(length - (max_length - buffer_len)) / buffer_len * factor, 0.0)
+
+
+def reward_request(task: Task, answer, num_turns: int):
+    """What the RewardActor scores for an episode: its answer, with the task's extra_info plus the episode's turn
+    count under "num_turns", as verl's reward managers pass it (ReTool's scorer shapes wrong answers by it)."""
+    from rayrl.scoring import RewardRequest
+
+    return RewardRequest(task_id=task.task_id, data_source=task.data_source, solution_str=str(answer or ""),
+                         ground_truth=task.ground_truth, extra_info={**task.extra_info, "num_turns": num_turns})
 
 
 def _describe(e: BaseException) -> str:

@@ -32,7 +32,7 @@ class RewardRequest:
     data_source: str
     solution_str: str  # the answer text the agent produced
     ground_truth: Any
-    extra_info: dict[str, Any] = field(default_factory=dict)
+    extra_info: dict[str, Any] = field(default_factory=dict)  # the task's, plus the episode's "num_turns" (as verl)
 
 
 @dataclass

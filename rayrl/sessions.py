@@ -105,7 +105,8 @@ class Sessions:
         return None
 
     # prompts ----------------------------------------------------------------------------------
-    def _render(self, messages: list[dict], tools: list[dict] | None, gen_prompt: bool) -> str:
+    def render(self, messages: list[dict], tools: list[dict] | None, gen_prompt: bool) -> str:
+        """The chat template's text for `messages`; a 400 when it cannot render them."""
         try:
             return self.tok.apply_chat_template(messages, tools=tools or None, add_generation_prompt=gen_prompt,
                                                 tokenize=False)
@@ -124,12 +125,12 @@ class Sessions:
         reply and take what the template adds after it) or, failing that, by text (the decoded session tokens are
         a prefix of the rendered prompt). A request that fits neither rewrote the conversation: 400.
         """
-        full = self._render(messages, tools, True)
+        full = self.render(messages, tools, True)
         if s is None or s.record.num_turns == 0:
             return self.encode(full)
         rec = s.record
         if s.history and extends(s.history, messages):
-            upto = self._render(messages[: len(s.history)], tools, False)
+            upto = self.render(messages[: len(s.history)], tools, False)
             eos = self.tok.eos_token or ""
             cut = upto.rfind(eos) if eos else -1
             if full.startswith(upto) and cut >= 0:
@@ -185,3 +186,14 @@ class Sessions:
             raise ApiError(400, f"the trajectory's token budget (rollout.max_response_length={s.budget}) is used up",
                            "budget_exceeded", "max_tokens")
         return min(want, left)
+
+
+# The refusals that end an episode for its length: the Gateway records each as "400 <code>: <message>".
+OUT_OF_ROOM = tuple(f"400 {code}:" for code in ("budget_exceeded", "context_length_exceeded"))
+
+
+def ran_out(rec: SessionRecord) -> bool:
+    """Whether the episode's last request was refused because its token budget (rollout.max_response_length) or the
+    context was used up, after at least one recorded turn: an over-long episode, which verl trains truncated at
+    max_response_length rather than dropping it."""
+    return rec.num_turns > 0 and bool(rec.errors) and rec.errors[-1].startswith(OUT_OF_ROOM)

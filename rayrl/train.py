@@ -14,6 +14,7 @@ checkpoint. How it departs from textbook GRPO:
 
 from __future__ import annotations
 
+import functools
 import random
 import signal
 import sys
@@ -22,11 +23,11 @@ from collections import Counter
 
 import ray
 
-from rayrl import checkpoint, cluster, trace, weight_sync
+from rayrl import checkpoint, cluster, colocate, trace, weight_sync
 from rayrl.batching import advantages, shard, trainable_groups
 from rayrl.config import Config, ConfigError, check_cluster
 from rayrl.data import DataIterator, load_rows
-from rayrl.metrics import StepLogger, dashboard, phase_shares, summarize, tool_metrics, val_metrics
+from rayrl.metrics import StepLogger, dashboard, phase_shares, summarize, tool_metrics, val_generations, val_metrics
 from rayrl.models import resolve_model
 from rayrl.types import Task, Trajectory
 
@@ -40,7 +41,9 @@ def train(cfg: Config) -> dict:
     d = cfg.data
     rows = load_rows(d.source, d.size, t.seed, d.gym_kwargs, d.system_prompt)
     data = DataIterator(rows, t.batch_size, t.seed, d.shuffle)
-    val_rows = load_rows(d.val_source, d.val_size, t.seed + 1, d.gym_kwargs, d.system_prompt) if d.val_source else []
+    val_rows = [row for src in d.val_source or [] for row in load_rows(src, d.val_size, t.seed + 1, d.gym_kwargs,
+                                                                      d.system_prompt)]
+    decode = _decoder(model_path) if val_rows and t.log_val_generations else None
     actors, log, summary = None, None, {}
     if t.trace:
         trace.start(t.output_dir)
@@ -48,10 +51,13 @@ def train(cfg: Config) -> dict:
         with trace.span("start actors"):
             actors = cluster.start(cfg, model_path)
             step, version = resume(cfg, actors, data)
-        log = StepLogger(t.output_dir, t.logger, t.total_steps, step, cfg.to_dict(), t.experiment_name)
+            # a resumed run's weights reach the engines (sleeping engines wake with them; learners offload)
+            colocate.to_rollout(cfg, actors, lambda: sync_weights(cfg, actors, version) if step else 0.0)
+        log = StepLogger(t.output_dir, t.logger, t.total_steps, step, cfg.to_dict(), t.experiment_name,
+                         t.project_name)
         feeder = Feeder(cfg, actors.queue, data, start=step)
         if val_rows and t.val_before_train and step == 0:
-            log.log(0, validate(cfg, actors, val_rows, version))
+            log.log(0, validate(cfg, actors, val_rows, version, 0, log, decode))
         while step < t.total_steps:
             with trace.step(step + 1):  # one span in the trace holding this step's phases and trajectories
                 val: dict[str, float] = {}
@@ -63,21 +69,26 @@ def train(cfg: Config) -> dict:
                 check_failures(trajs, step + 1, log)
                 t_rollout = time.perf_counter() - t0
                 groups, dropped = trainable_groups(trajs)
+                colo = colocate.to_training(cfg, actors)  # sleeping engines free the GPU for the update
                 learn = update(cfg, actors.learners, groups)
                 version, step = version + 1, step + 1
-                sync_s = sync_weights(cfg, actors, version)  # <- the engines serve the new policy from here on
-                if val_rows and t.test_freq and step % t.test_freq == 0:
-                    val = validate(cfg, actors, val_rows, version)
-                if (t.save_freq and step % t.save_freq == 0) or step == t.total_steps:
+                if (t.save_freq and step % t.save_freq == 0) or step == t.total_steps:  # learners resident
                     summary["checkpoint"] = save(cfg, actors, step, version, feeder.state_before(step))
+                # the engines serve the new policy from here on (sleeping ones awake, learners offloaded)
+                colo.update(colocate.to_rollout(cfg, actors, functools.partial(sync_weights, cfg, actors, version)))
+                sync_s = colo.pop("sync/seconds")
+                if val_rows and t.test_freq and step % t.test_freq == 0:
+                    val = validate(cfg, actors, val_rows, version, step, log, decode)
                 m = step_metrics(trajs, groups, dropped, learn, t_rollout, sync_s, version, time.perf_counter() - t0)
                 m.update(phase_shares(trajs, w0, w0 + t_rollout, learn.get("time/learner_s", 0.0), sync_s,
                                       m["time/step_s"]))
                 m.update(val)
+                m.update(colo)
                 log.log(step, m)
                 summary.update(step=step, metrics=m)
         if t.export_hf:
             hf_dir = f"{t.output_dir}/hf"
+            colocate.to_training(cfg, actors)  # the learners gather the full model on their GPU
             ray.get([ln.export_hf.remote(hf_dir) for ln in actors.learners], timeout=cfg.learner.timeout)
             summary["hf"] = hf_dir
         log.info(f"done: {summary.get('step', step)} steps. checkpoint: {summary.get('checkpoint', '-')}  "
@@ -145,7 +156,8 @@ def update(cfg: Config, learners: list, groups: list[list[Trajectory]]) -> dict[
         return {}
     mini = cfg.learner.mini_batch_size or cfg.trainer.batch_size
     minibatches = [groups[i : i + mini] for i in range(0, len(groups), mini)]
-    shards = [shard(mb, advantages(mb, cfg.algo.norm_adv_by_std_in_grpo), len(learners)) for mb in minibatches]
+    shards = [shard(mb, advantages(mb, cfg.algo.norm_adv_by_std_in_grpo), len(learners), cfg.learner.sequence_parallel)
+              for mb in minibatches]
     timeout = cfg.learner.timeout
     on_policy = len(minibatches) == 1 and cfg.learner.ppo_epochs == 1 and cfg.algo.max_staleness == 0
     with trace.span("learner/compute_logprobs"):
@@ -180,7 +192,8 @@ def sync_weights(cfg: Config, actors, version: int) -> float:
 
 
 def resume(cfg: Config, actors, data: DataIterator) -> tuple[int, int]:
-    """(step, policy version) to start from: 0 for a new run, or the checkpoint's, weights pushed to the engines."""
+    """(step, policy version) to start from: 0 for a new run, or the checkpoint's (loaded into the learners; the
+    caller pushes them to the engines)."""
     t = cfg.trainer
     ckpt = None if t.resume == "disable" else (checkpoint.latest(t.output_dir) if t.resume == "auto" else t.resume)
     if ckpt is None:
@@ -189,7 +202,6 @@ def resume(cfg: Config, actors, data: DataIterator) -> tuple[int, int]:
     ray.get([ln.load.remote(ckpt) for ln in actors.learners], timeout=cfg.learner.timeout)
     data.load_state(state["data"])
     random.setstate(tuple(tuple(x) if isinstance(x, list) else x for x in state["python_rng"]))
-    sync_weights(cfg, actors, state["policy_version"])
     print(f"rayrl: resumed from {ckpt} (step {state['step']}, policy version {state['policy_version']})",  # noqa: T201
           file=sys.stderr)
     return state["step"], state["policy_version"]
@@ -203,9 +215,9 @@ def save(cfg: Config, actors, step: int, version: int, data_state: dict) -> str:
                                          "python_rng": random.getstate()})
 
 
-def validate(cfg: Config, actors, rows: list, version: int) -> dict[str, float]:
-    """`trainer.val_n` samples per validation prompt with the current policy -> mean@n, pass@n, maj@n per data
-    source."""
+def validate(cfg: Config, actors, rows: list, version: int, step: int, log: StepLogger, decode) -> dict[str, float]:
+    """`trainer.val_n` samples per validation prompt with the current policy -> verl's val-core/val-aux metrics per
+    data source; `trainer.log_val_generations` of them to the logger (`decode`: token ids -> text)."""
     vstep = -1 - version  # negative steps never collide with training steps in the queue
     t = cfg.trainer
     sampling = {k: v for k, v in (("temperature", t.val_temperature), ("top_p", t.val_top_p)) if v is not None}
@@ -217,7 +229,17 @@ def validate(cfg: Config, actors, rows: list, version: int) -> dict[str, float]:
         ray.get(actors.queue.put.remote(tasks), timeout=60)
         trajs = collect(cfg, actors, {t.task_id for t in tasks}, vstep, {})
     trace.trajectories(trajs)
+    if decode is not None:
+        log.generations(step, val_generations(trajs, t.log_val_generations, decode))
     return val_metrics(trajs)
+
+
+def _decoder(model_path: str):
+    """Token ids -> text as verl logs validation generations (special tokens skipped)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_path)
+    return lambda ids: tok.decode(ids, skip_special_tokens=True)
 
 
 def check_failures(trajs: list[Trajectory], step: int, log: StepLogger) -> None:

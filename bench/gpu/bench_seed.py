@@ -1,7 +1,8 @@
 """Seed scale on one GPU (issue #14): the learner on the seed shapes at the seed lengths, one case per process.
 
-    python bench/gpu/bench_seed.py CASE [--out DIR] [--label CODE]      CASE: shape:tie:ckpt:compile[:budget]
-    e.g. qwen3-4b:tied:ckpt:compile   qwen3-4b:untied:nockpt:eager   qwen2.5-7b:-:ckpt:compile:18432
+    python bench/gpu/bench_seed.py CASE [--out DIR] [--label CODE]   CASE: shape:tie:ckpt:compile[:budget[:offload]]
+    e.g. qwen3-4b:tied:ckpt:compile   qwen3-4b:untied:nockpt:eager   qwen2.5-7b:-:ckpt:compile:18432:optimizer
+    offload: - (none) | optimizer (learner.optimizer_offload: the AdamW state on the GPU for the step only)
 
 Random-init models of each shape (rayrl.models.make_model, built on the GPU, Qwen's tokenizer) train on 4 sequences
 of 2,048 prompt + 14,336 response tokens (random tokens, advantages +-1) in packed rows of at most `budget` tokens
@@ -25,8 +26,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_engine import train_throughput  # the same FLOP count and timing as the 0.5B learner part
 
-LENGTHS = [2048 + 14336] * 4
-PROMPT = 2048
+SEED_LENGTHS = "2048+14336," * 3 + "2048+14336"
 
 
 def model_dir(shape: str, tie: str) -> str:
@@ -47,14 +47,13 @@ def main() -> int:
     ap.add_argument("case")
     ap.add_argument("--out", default=".")
     ap.add_argument("--label", default="HEAD")
-    ap.add_argument("--lengths", default="", help="prompt+response,...: other lengths (a CPU smoke run)")
+    ap.add_argument("--lengths", default=SEED_LENGTHS, help="prompt+response,...: other lengths (a CPU smoke run)")
     args = ap.parse_args()
-    global LENGTHS, PROMPT
-    if args.lengths:
-        LENGTHS = [sum(map(int, x.split("+"))) for x in args.lengths.split(",")]
-        PROMPT = int(args.lengths.split(",")[0].split("+")[0])
+    lengths = [sum(map(int, x.split("+"))) for x in args.lengths.split(",")]
+    prompt = int(args.lengths.split(",")[0].split("+")[0])
     shape, tie, ckpt, kind, *rest = args.case.split(":")
     budget = int(rest[0]) if rest else 18432
+    offload = rest[1] if len(rest) > 1 else "-"
     from rayrl.config import load_config
     from rayrl.learner import Learner
 
@@ -63,16 +62,17 @@ def main() -> int:
     cfg = load_config(None, [f"model.path={path}", "model.dtype=bfloat16", f"learner.gpus_per_worker={gpu}",
                              "learner.lr=1e-6", "learner.pack=true", f"learner.max_tokens_per_micro_batch={budget}",
                              f"learner.compile={kind == 'compile'}", f"model.gradient_checkpointing={ckpt == 'ckpt'}",
-                             f"data.max_prompt_length={PROMPT}", f"rollout.max_response_length={LENGTHS[0] - PROMPT}",
-                             f"engine.max_model_len={LENGTHS[0]}"],
+                             f"data.max_prompt_length={prompt}", f"rollout.max_response_length={lengths[0] - prompt}",
+                             f"engine.max_model_len={lengths[0]}",
+                             f"learner.optimizer_offload={offload == 'optimizer'}"],
                       check_files=False)
     rec = {"case": args.case, "code": args.label, "shape": shape, "tie": tie, "ckpt": ckpt == "ckpt",
-           "compile": kind == "compile", "budget": budget, "lengths": LENGTHS}
+           "compile": kind == "compile", "budget": budget, "lengths": lengths, "offload": offload}
     try:
         ln = Learner(path, cfg)
         rec["params"] = ln.setup()
         rec["tied_after_setup"] = ln.model.lm_head.weight is ln.model.model.embed_tokens.weight
-        rec.update(train_throughput(ln, LENGTHS, PROMPT, 151_643))
+        rec.update(train_throughput(ln, lengths, prompt, 151_643))
     except torch.OutOfMemoryError as e:
         rec.update(error="out of memory", peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30,
                    where=traceback.format_exc().strip().splitlines()[-3:], detail=str(e)[:300])

@@ -17,11 +17,11 @@
              isolated: docs/sandbox.md.
 - zygote.py  the local backend's process side (stdlib only, run as a script).
 - e2b.py     `e2b`: the `e2b-code-interpreter` SDK (E2B cloud, or Tencent Agent Sandbox), sandboxes reused from a
-             pool, state kept between runs on one sandbox.
-- result.py  ExecResult, what every run returns.
+             pool and renewed, a fresh interpreter context per run, infrastructure errors retried and then raised.
+- result.py  ExecResult, what every run returns; SandboxUnavailable, raised when the sandbox service failed.
 """
 
 from rayrl.sandbox.pool import SandboxFull, SandboxPool
-from rayrl.sandbox.result import ExecResult
+from rayrl.sandbox.result import ExecResult, SandboxUnavailable
 
-__all__ = ["ExecResult", "SandboxFull", "SandboxPool"]
+__all__ = ["ExecResult", "SandboxFull", "SandboxPool", "SandboxUnavailable"]

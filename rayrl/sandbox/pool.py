@@ -8,7 +8,7 @@ from typing import Any
 from rayrl.config import SandboxConfig
 from rayrl.sandbox.e2b import E2BBackend
 from rayrl.sandbox.local import LocalBackend
-from rayrl.sandbox.result import ExecResult
+from rayrl.sandbox.result import ExecResult, SandboxUnavailable
 
 BACKENDS = {"local": LocalBackend, "e2b": E2BBackend}
 
@@ -30,7 +30,7 @@ class SandboxPool:
         self._slots: asyncio.Queue[int] | None = None
         self._waiting = 0
         self._reapers: set[asyncio.Task] = set()
-        self.stats = {"runs": 0, "errors": 0, "rejected": 0, "seconds": 0.0}
+        self.stats = {"runs": 0, "errors": 0, "rejected": 0, "unavailable": 0, "seconds": 0.0}
 
     @property
     def backend(self) -> LocalBackend | E2BBackend:
@@ -45,8 +45,8 @@ class SandboxPool:
         return self.backend.isolation
 
     async def run(self, code: str, language: str = "python", timeout: float | None = None) -> ExecResult:
-        """Run `code` once. Raises SandboxFull when the queue is full; every other failure is an ExecResult
-        with `error` set."""
+        """Run `code` once. Raises SandboxFull when the queue is full, SandboxUnavailable when the sandbox service
+        failed (e2b, after its retries); what the code did (an exception, a timeout) is an ExecResult."""
         if self._slots is None:  # created lazily: the pool may be built outside the loop that uses it
             self._slots = asyncio.Queue()
             for i in range(self.config.max_concurrency):
@@ -62,7 +62,11 @@ class SandboxPool:
             self._waiting -= 1
         released = False
         try:
-            result = await self.backend.run(code, language, timeout or self.config.timeout, slot)
+            try:
+                result = await self.backend.run(code, language, timeout or self.config.timeout, slot)
+            except SandboxUnavailable:
+                self.stats["unavailable"] += 1
+                raise
             # Clean-up (killing leftovers of the run) happens after the result is returned; the slot is free again
             # only after it, so the next run on this slot never meets them.
             cleanup = self.backend.cleanup(slot)

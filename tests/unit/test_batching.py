@@ -55,23 +55,45 @@ def test_all_failed_step_stops_the_run():
         check_failures([traj("a", 0, error="boom"), traj("a", 1, error="boom")], 4, log)
 
 
-def test_validation_metrics_per_source():
+def test_validation_metrics_per_source_with_verls_names_and_a_0_1_accuracy():
+    """Two sources at once (AIME 2024 and 2025), math_dapo's +-1 rewards: acc is 1/0, a failed sample counts 0,
+    DAPO's overlong penalty is not part of acc; the names and numbers are verl's process_validation_metrics'."""
     from rayrl.metrics import val_metrics
 
-    def v(group, k, reward, answer, source="rg/a", error=None):
+    def v(group, k, reward, answer, source="aime_2024", error=None, penalty=0.0):
         t = traj(group, k, reward, error)
         t.data_source, t.answer = source, answer
+        if penalty:
+            t.metadata["overlong_penalty"] = penalty
         return t
 
-    trajs = [v("p0", 0, 1.0, "x <answer>7</answer>"), v("p0", 1, 0.0, "<answer>5</answer>"),
-             v("p0", 2, 1.0, "so 7"),  # prompt 0: mean 2/3, best 1, majority answer 7 (twice) -> 1
-             v("p1", 0, 0.0, "3"), v("p1", 1, 0.0, "3"), v("p1", 2, None, None, error="boom"),  # mean 0, best 0, maj 0
-             v("q0", 0, 1.0, "1", source="rg/b")]
+    trajs = [v("p0", 0, 1.0, "x \\boxed{7}"), v("p0", 1, -1.0, "\\boxed{5}"),
+             v("p0", 2, 0.8, "so \\boxed{7}", penalty=-0.2),  # prompt 0: acc 1, 0, 1 -> mean 2/3; majority 7
+             v("p1", 0, -1.0, "3"), v("p1", 1, -1.0, "3"), v("p1", 2, None, None, error="boom"),  # acc 0, 0, 0
+             v("q0", 0, 1.0, "1", source="aime_2025")]
     m = val_metrics(trajs)
-    assert m["val/rg/a/mean@3"] == pytest.approx((2 / 3 + 0) / 2)
-    assert m["val/rg/a/pass@3"] == pytest.approx(0.5) and m["val/rg/a/maj@3"] == pytest.approx(0.5)
-    assert m["val/rg/b/mean@1"] == 1.0 and m["val/failed"] == 1.0
-    assert m["val/reward_mean"] == pytest.approx(3 / 7)
+    assert m["val-core/aime_2024/acc/mean@3"] == pytest.approx((2 / 3 + 0) / 2)  # today: the +-1 reward's mean
+    assert 0.4 < m["val-core/aime_2024/acc/best@3/mean"] <= 0.5  # prompt 0's best of 3 is 1 unless all draws are 0
+    assert 0.3 < m["val-core/aime_2024/acc/maj@3/mean"] <= 0.5
+    assert "val-aux/aime_2024/acc/best@2/mean" in m and "val-aux/aime_2024/acc/std@3" in m
+    assert m["val-aux/aime_2024/reward/mean@3"] == pytest.approx(0.8 / 3)  # prompt 0's rewards; p1 has 2 (mean@2)
+    assert m["val-core/aime_2025/acc/mean@1"] == 1.0 and m["val-aux/failed"] == 1.0
+    assert all(0.0 <= x <= 1.0 for k, x in m.items() if "/acc/" in k and "std" not in k)
+
+
+def test_val_generations_pick_n_deterministically():
+    from rayrl.metrics import val_generations
+
+    trajs = [traj(f"p{i}", 0, float(i)) for i in range(5)] + [traj("p9", 0, None, error="boom")]
+    for i, t in enumerate(trajs):
+        t.prompt_ids = [100 + i]
+    decode = lambda ids: " ".join(map(str, ids))  # noqa: E731
+    rows = val_generations(trajs, 3, decode)
+    assert len(rows) == 3 and len({r["prompt"] for r in rows}) == 3
+    assert rows == val_generations(list(reversed(trajs)), 3, decode)  # the order trajectories arrived in: no matter
+    assert all(set(r) >= {"data_source", "prompt", "response", "score"} and r["response"] == "10 11 12" for r in rows)
+    failed = [r for r in val_generations(trajs, 6, decode) if r["score"] is None]
+    assert len(failed) == 1 and failed[0]["error"] == "boom"
 
 
 def test_tool_metrics():
@@ -81,3 +103,14 @@ def test_tool_metrics():
     a.metadata, b.metadata = {"tool_calls": 3, "sandbox_errors": 1}, {"tool_calls": 1, "sandbox_errors": 0}
     assert tool_metrics([a, b]) == {"tools/calls_mean": 2.0, "sandbox/error_rate": 0.25}
     assert tool_metrics([traj("c", 0)]) == {}
+
+
+def test_val_source_takes_one_or_several(tmp_path):
+    from rayrl.config import ConfigError, load_config
+
+    a, b = tmp_path / "aime_2024.parquet", tmp_path / "aime_2025.jsonl"
+    a.touch(), b.touch()
+    assert load_config(None, [f"data.val_source={a}"]).data.val_source == [str(a)]
+    assert load_config(None, [f"data.val_source=[{a}, {b}]"]).data.val_source == [str(a), str(b)]
+    with pytest.raises(ConfigError, match=r"data.val_source\[1\]: file .*missing.parquet' does not exist"):
+        load_config(None, [f"data.val_source=[{a}, {tmp_path}/missing.parquet]"])

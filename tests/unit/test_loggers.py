@@ -21,21 +21,59 @@ def test_console_and_jsonl(tmp_path, capsys):
     assert json.loads((tmp_path / "metrics.jsonl").read_text()) == {"step": 1, **M}
 
 
-def test_tensorboard(tmp_path):
+GENS = [{"data_source": "aime_2024", "prompt": "What is 2+2?", "response": "\\boxed{4}", "score": 1.0},
+        {"data_source": "aime_2025", "prompt": "What is 3+3?", "response": "no idea", "score": None, "error": "boom"}]
+
+
+def _tb_texts(folder) -> list[str]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(folder), size_guidance={"tensors": 0})
+    acc.Reload()
+    return [e.tensor_proto.string_val[0].decode() for e in acc.Tensors("val/generations/text_summary")]
+
+
+def test_tensorboard_under_the_project_and_run_with_val_generations(tmp_path):
     pytest.importorskip("tensorboard")
-    log = StepLogger(str(tmp_path), ["tensorboard"], total_steps=2, start_step=0, run_config={}, name="t")
+    log = StepLogger(str(tmp_path), ["tensorboard"], total_steps=2, start_step=0, run_config={}, name="t",
+                     project="retool")
     log.log(1, M)
+    log.generations(1, GENS)
     log.close()
-    assert any(f.startswith("events.out.tfevents") for f in os.listdir(tmp_path / "tensorboard"))
+    folder = tmp_path / "tensorboard" / "retool" / "t"  # trainer.project_name / experiment_name
+    assert any(f.startswith("events.out.tfevents") for f in os.listdir(folder))
+    [text] = _tb_texts(folder)
+    assert "**Input:** What is 2+2?" in text and "**Output:** no idea" in text and "**Score:** 1.0" in text
 
 
-def test_wandb_offline_needs_no_account(tmp_path, monkeypatch):
+def test_val_generations_jsonl(tmp_path):
+    log = StepLogger(str(tmp_path), ["console"], total_steps=2, start_step=0, run_config={}, name="t")
+    log.generations(0, GENS)
+    log.generations(5, GENS[:1])
+    log.close()
+    lines = [json.loads(x) for x in (tmp_path / "val_generations.jsonl").read_text().splitlines()]
+    assert lines == [{"step": 0, **GENS[0]}, {"step": 0, **GENS[1]}, {"step": 5, **GENS[0]}]
+
+
+def test_console_line_shows_validation_accuracy(tmp_path, capsys):
+    log = StepLogger(str(tmp_path), ["console"], total_steps=2, start_step=0, run_config={}, name="t")
+    log.log(1, {**M, "val-core/aime_2024/acc/mean@30": 0.25, "val-core/aime_2024/acc/best@30/mean": 0.5})
+    log.close()
+    assert "val aime_2024 acc@30 0.250" in capsys.readouterr().out
+
+
+def test_wandb_offline_needs_no_account_and_gets_the_project(tmp_path, monkeypatch):
     pytest.importorskip("wandb", reason="wandb is not installed here")
     monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    log = StepLogger(str(tmp_path), ["wandb"], total_steps=2, start_step=0, run_config={"a": 1}, name="t")
+    log = StepLogger(str(tmp_path), ["wandb"], total_steps=2, start_step=0, run_config={"a": 1}, name="t",
+                     project="retool")
+    assert log.wandb.project == "retool"  # trainer.project_name
     log.log(1, M)
+    log.generations(1, GENS)
     log.close()
     assert (tmp_path / "wandb").is_dir()
+    tables = list((tmp_path / "wandb").glob("offline-run-*/files/media/table/val/generations_*.table.json"))
+    assert len(tables) == 1 and json.loads(tables[0].read_text())["data"][1][3] == "no idea"
 
 
 def test_dashboard_gauges_cover_the_issue_list_and_are_a_no_op_outside_ray():

@@ -9,8 +9,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from rayrl.data import load_rows
-from rayrl.prepare import dapo_question, main
+from rayrl.prepare import ANSWER_FORMAT, dapo_question, main
 
+# verl v0.6.1 recipe/retool/retool.py's answer_format, written out here so that a change to ANSWER_FORMAT shows
+RECIPE_SUFFIX = "\nThe answer format must be: \\boxed{'The final answer goes here.'}"
 DAPO_TEMPLATE = ("Solve the following math problem step by step. The last line of your response should be of the "
                  "form Answer: $Answer (without quotes) where $Answer is the answer to the problem.\n\n{q}\n\n"
                  'Remember to put your answer on its own line after "Answer:".')
@@ -43,8 +45,11 @@ def test_dapo_to_rows(dapo_dir, tmp_path, capsys) -> None:
     assert [r.ground_truth for r in rows] == ["2", "3"]
     assert rows[0].data_source == "math_dapo"
     (msg,) = rows[0].messages
-    assert msg["role"] == "user" and msg["content"].endswith("What is $1+1$?\n\nGive an integer.")
-    assert "\\boxed{}" in msg["content"] and "Answer:" not in msg["content"]
+    # the recipe's CustomRLHFDataset.map_fn2: DAPO's prompt as it is, the answer format appended
+    assert msg == {"role": "user", "content": DAPO_TEMPLATE.format(q="What is $1+1$?\n\nGive an integer.") +
+                   RECIPE_SUFFIX}
+    assert ANSWER_FORMAT == RECIPE_SUFFIX
+    assert rows[0].extra_info["question"] == "What is $1+1$?\n\nGive an integer."
     assert rows[1].extra_info["source_index"] == "b"
 
 
@@ -52,7 +57,8 @@ def test_dapo_original_prompt_and_options(dapo_dir, tmp_path) -> None:
     out = tmp_path / "train.jsonl"
     assert main(["dapo-math", str(dapo_dir), "-o", str(out), "--prompt", "original", "--keep-duplicates"]) == 0
     rows = load_rows(str(out), size=0, seed=0)
-    assert len(rows) == 3 and rows[0].messages[0]["content"].startswith("Solve the following math problem")
+    assert len(rows) == 3 and rows[0].messages[0]["content"] == DAPO_TEMPLATE.format(q="What is $1+1$?\n\nGive an "
+                                                                                       "integer.")
     assert main(["dapo-math", str(dapo_dir), "-o", str(out), "--limit", "1"]) == 0
     assert len(load_rows(str(out), size=0, seed=0)) == 1
 
@@ -67,7 +73,20 @@ def test_aime_to_rows(tmp_path) -> None:
     rows = load_rows(str(out), size=0, seed=0)
     assert [r.ground_truth for r in rows] == ["204", "315"]  # strings, as verl's math scorers expect
     assert rows[0].data_source == "aime_2024" and rows[1].extra_info["id"] == "2024-II-15"
-    assert rows[0].messages[0]["content"].endswith("Every morning Aya walks 9 km ...")
+    # the recipe's CustomRLHFDataset.map_fn: the problem, then the answer format
+    assert rows[0].messages == [{"role": "user", "content": "Every morning Aya walks 9 km ..." + RECIPE_SUFFIX}]
+    assert main(["aime2024", str(src), "-o", str(out), "--prompt", "original"]) == 0
+    assert load_rows(str(out), size=0, seed=0)[0].messages[0]["content"] == "Every morning Aya walks 9 km ..."
+
+
+def test_aime2025_rows_are_their_own_source(tmp_path) -> None:
+    src = tmp_path / "aime_2025.jsonl"  # yentinglin/aime_2025's columns
+    src.write_text(json.dumps({"id": 0, "problem": "Find the sum ...", "answer": "70", "year": 2025}) + "\n")
+    out = tmp_path / "out.parquet"
+    assert main(["aime2025", str(src), "-o", str(out)]) == 0
+    (row,) = load_rows(str(out), size=0, seed=0)
+    assert row.data_source == "aime_2025" and row.ground_truth == "70"
+    assert row.messages[0]["content"] == "Find the sum ..." + RECIPE_SUFFIX
 
 
 def test_aime_jsonl_lowercase_columns(tmp_path) -> None:

@@ -43,6 +43,44 @@ def test_math_dapo() -> None:
     assert score("math_dapo", "Answer: 42", 42, {}) == 1.0  # numeric ground truth from a jsonl file
 
 
+@pytest.mark.parametrize("num_turns, wrong", [(2, -1.0), (4, -0.9), (6, -0.8), (10, -0.6), (30, -0.6)])
+def test_retool_shapes_wrong_answers_by_turns(num_turns: int, wrong: float) -> None:
+    """verl recipe/retool's compute_score: a wrong answer's -1 rises by 0.1 per tool round (two turns), to -0.6."""
+    score = resolve_scorer("retool")
+    assert score("math_dapo", "so the answer is \\boxed{42}", "42", {"num_turns": num_turns}) == 1.0
+    assert score("math_dapo", "so the answer is \\boxed{41}", "42", {"num_turns": num_turns}) == pytest.approx(wrong)
+
+
+def test_retool_verifies_the_box_strictly() -> None:
+    score = resolve_scorer("retool")
+    info = {"num_turns": 2}
+    assert score("aime_2024", "Answer: 42", "42", info) == -1.0  # math_dapo alone would accept it (1.0)
+    assert resolve_scorer("math_dapo")("aime_2024", "Answer: 42", "42", info) == 1.0
+    assert score("aime_2024", "\\boxed{42}" + " and then I kept writing." * 5, "42", info) == -1.0  # not in the tail
+    assert score("aime_2024", "\\boxed{42.0}", "42", info) == -1.0  # compared as written: no normalisation
+    assert score("aime_2024", "\\boxed{41} no wait, \\boxed{42}", "42", info) == 1.0  # the last box counts
+
+
+def test_retool_needs_the_turn_count() -> None:
+    with pytest.raises(ValueError, match="extra_info\\['num_turns'\\]"):
+        resolve_scorer("retool")("math_dapo", "\\boxed{1}", "2", {})
+
+
+def test_turn_count_reaches_the_scorer_through_the_reward_request() -> None:
+    """The rollout worker's request carries the episode's turns in extra_info["num_turns"] (verl's key), next to the
+    task's own extra_info; what the RewardActor's pool runs on it gets the shaped score."""
+    from rayrl.rewards import score_with_spec
+    from rayrl.rollout import reward_request
+    from rayrl.types import Task
+
+    task = Task(task_id="g/0", group_id="g", step=0, ground_truth="42", data_source="math_dapo",
+                messages=[{"role": "user", "content": "?"}], extra_info={"index": 7})
+    req = reward_request(task, "I computed \\boxed{41}.", 6)
+    assert req.extra_info == {"index": 7, "num_turns": 6} and task.extra_info == {"index": 7}
+    args = (req.data_source, req.solution_str, req.ground_truth, req.extra_info)  # as Reward._submit passes them
+    assert score_with_spec("retool", *args) == pytest.approx(-0.8)
+
+
 def test_math_verify() -> None:
     score = resolve_scorer("math_verify")
     assert score("math", "so $x = \\boxed{\\frac{1}{2}}$", "0.5", {}) == 1.0
@@ -70,7 +108,7 @@ def test_custom() -> None:
 
 
 def test_bad_specs() -> None:
-    with pytest.raises(ConfigError, match="must be one of auto"):
+    with pytest.raises(ConfigError, match="must be one of auto, reasoning_gym, math_dapo, math_verify, retool"):
         resolve_scorer("mathdapo")
     with pytest.raises(ConfigError, match="cannot import module"):
         resolve_scorer("no_such_module_xyz:fn")

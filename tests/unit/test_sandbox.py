@@ -9,7 +9,7 @@ import time
 import pytest
 
 from rayrl.config import ConfigError, SandboxConfig, load_config
-from rayrl.sandbox import ExecResult, SandboxFull, SandboxPool
+from rayrl.sandbox import ExecResult, SandboxFull, SandboxPool, SandboxUnavailable
 
 
 def arun(coro):
@@ -193,7 +193,8 @@ def test_e2b_without_key_is_a_clear_error_and_never_shows_the_key(monkeypatch) -
     monkeypatch.delenv("RAYRL_TEST_E2B_KEY", raising=False)
     pool = SandboxPool(SandboxConfig(backend="e2b", e2b_api_key_env="RAYRL_TEST_E2B_KEY"))
     (r,) = arun(run_all(pool, ["print(1)"]))
-    assert r.error and "RAYRL_TEST_E2B_KEY" in r.error and "not set" in r.error
+    # raised, not an ExecResult: the model must never be trained on the service's failure
+    assert isinstance(r, SandboxUnavailable) and "RAYRL_TEST_E2B_KEY" in str(r) and "not set" in str(r)
 
 
 def test_runs_from_a_process_with_many_open_files(tmp_path):

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from rayrl.agents.tool_agent import CODE_INTERPRETER, agent, load_tools, tool_calls_of, truncate
+from rayrl.agents.tool_agent import CODE_INTERPRETER, Settings, agent, clean_code, load_tools, tool_calls_of, truncate
 from rayrl.config import SandboxConfig
 from rayrl.sandbox import SandboxPool
 from tests.helpers import FakeLLM, completion, make_ctx
@@ -56,7 +56,7 @@ def test_errors_are_fed_back_and_counted() -> None:
                                  ("web_search", {"q": "x"})]),
                completion("<tool_call>{not json}</tool_call>"),
                completion("\\boxed{1}")]
-    out, llm = run_agent(replies, {"code_timeout": 1.0})
+    out, llm = run_agent(replies, {"code_timeout": 1.0, "max_parallel_calls": 3})
     meta = out["metadata"]
     assert (meta["tool_calls"], meta["code_errors"], meta["sandbox_errors"], meta["tool_errors"]) == (3, 1, 1, 1)
     assert meta["tool_call_parse_errors"] == 1 and meta["turns"] == 3
@@ -82,11 +82,16 @@ def test_calls_in_the_text_parse_as_the_gateway_parses_them() -> None:
 
 
 def test_max_turns_and_truncation() -> None:
-    loop = [completion(None, [("code_interpreter", {"code": "print('y' * 5000)"})]) for _ in range(2)]
+    loop = [completion(None, [("code_interpreter", {"code": "print('x' * 60 + 'y' * 5000 + 'z' * 60)"})])
+            for _ in range(2)]
     out, llm = run_agent(loop, {"max_turns": 2, "max_tool_response_length": 100})
-    assert out["metadata"]["stop"] == "max_turns" and out["metadata"]["turns"] == 2 and len(llm.requests) == 2
+    meta = out["metadata"]
+    assert meta["stop"] == "max_turns" and meta["turns"] == 2 and len(llm.requests) == 2
+    # verl's max_assistant_turns: the episode ends at the 2nd reply, whose call is not run
+    assert meta["tool_calls"] == 1 and meta["tool_turns"] == 1
+    assert meta["num_turns"] == 4  # verl's count: 1 tool turn + 2 replies + 1
     tool = llm.requests[1]["messages"][-1]
-    assert tool["role"] == "tool" and len(tool["content"]) < 200 and "characters" in tool["content"]
+    assert tool["role"] == "tool" and tool["content"] == "x" * 50 + "...(truncated)..." + "z" * 50
 
 
 async def lookup_tool(ctx, args: dict) -> dict:
@@ -117,13 +122,130 @@ def test_bad_tool_specs(specs, fragment) -> None:
     assert fragment in str(e.value)
 
 
-def test_truncate_sides() -> None:
+def test_truncate_sides_as_verl() -> None:
+    """verl's ToolAgentLoop: "left" keeps the head, "right" the tail, "middle" both ends (limit // 2 each)."""
     text = "a" * 50 + "b" * 50
-    assert truncate(text, 1000) == text
-    assert truncate(text, 10, "right").startswith("a" * 10)
-    assert truncate(text, 10, "left").endswith("b" * 10)
-    mid = truncate(text, 10)
-    assert mid.startswith("aaaaa") and mid.endswith("bbbbb") and "90 characters" in mid
+    assert truncate(text, 100) == text and truncate(text, 1000, "left") == text
+    assert truncate(text, 10, "left") == "a" * 10 + "...(truncated)"
+    assert truncate(text, 10, "right") == "(truncated)..." + "b" * 10
+    assert truncate(text, 10) == truncate(text, 10, "middle") == "a" * 5 + "...(truncated)..." + "b" * 5
+    assert truncate(text, 1) == "...(truncated)..."  # limit // 2 == 0: nothing of either end
+
+
+@pytest.mark.parametrize("side, want", [("left", "H" * 20 + "...(truncated)"), ("right", "(truncated)..." + "T" * 20),
+                                        ("middle", "H" * 10 + "...(truncated)..." + "T" * 10)])
+def test_tool_response_truncate_side_reaches_the_model(side: str, want: str) -> None:
+    code = "print('H' * 30 + '.' * 100 + 'T' * 30)"
+    _, llm = run_agent([completion(None, [("code_interpreter", {"code": code})]), completion("\\boxed{0}")],
+                       {"max_tool_response_length": 20, "tool_response_truncate_side": side})
+    assert llm.requests[1]["messages"][-1]["content"] == want
+
+
+def test_defaults_are_verls() -> None:
+    s = Settings.of({})
+    assert (s.max_parallel_calls, s.max_tool_response_length, s.tool_response_truncate_side) == (1, 256, "middle")
+    _, llm = run_agent([completion(None, [("code_interpreter", {"code": "print('q' * 1000)"})]),
+                        completion("\\boxed{0}")])
+    assert llm.requests[1]["messages"][-1]["content"] == "q" * 128 + "...(truncated)..." + "q" * 128
+
+
+@pytest.mark.parametrize("config, fragment", [
+    ({"max_turns": 0}, "rollout.agent_config.max_turns must be an integer >= 1, got 0"),
+    ({"max_parallel_calls": 1.5}, "rollout.agent_config.max_parallel_calls must be an integer >= 1"),
+    ({"max_tool_response_length": True}, "rollout.agent_config.max_tool_response_length must be an integer"),
+    ({"tool_response_truncate_side": "top"}, "tool_response_truncate_side must be one of left, middle, right"),
+    ({"code_timeout": -1}, "rollout.agent_config.code_timeout must be a number of seconds > 0"),
+    ({"max_tool_response_len": 10}, "rollout.agent_config.max_tool_response_len is not a setting"),
+])
+def test_bad_settings_are_one_line_errors(config: dict, fragment: str) -> None:
+    with pytest.raises(ValueError) as e:
+        Settings.of(config)
+    assert fragment in str(e.value) and "\n" not in str(e.value)
+
+
+ACTIVE = {"now": 0, "most": 0}
+
+
+async def slow_tool(ctx, args: dict) -> str:
+    ACTIVE["now"] += 1
+    ACTIVE["most"] = max(ACTIVE["most"], ACTIVE["now"])
+    await asyncio.sleep(0.2)
+    ACTIVE["now"] -= 1
+    return f"done {args['i']}"
+
+
+SLOW = {"schema": {"type": "function", "function": {"name": "slow", "description": "Waits.",
+                                                    "parameters": {"type": "object"}}},
+        "handler": f"{__name__}:slow_tool"}
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_max_parallel_calls_runs_the_first_k_at_once(k: int) -> None:
+    """verl's ToolAgentLoop runs tool_calls[:max_parallel_calls] together (asyncio.gather) and ignores the rest."""
+    ACTIVE.update(now=0, most=0)
+    three = completion(None, [("slow", {"i": 0}), ("slow", {"i": 1}), ("slow", {"i": 2})])
+    out, llm = run_agent([three, completion("\\boxed{0}")], {"tools": [SLOW], "max_parallel_calls": k})
+    results = [m for m in llm.requests[1]["messages"] if m["role"] == "tool"]
+    assert [m["content"] for m in results] == [f"done {i}" for i in range(k)]
+    assert [m["tool_call_id"] for m in results] == [f"call_{i}" for i in range(k)]
+    assert len(llm.requests[1]["messages"][-k - 1]["tool_calls"]) == 3  # the reply itself stays as generated
+    assert ACTIVE["most"] == k
+    assert (out["metadata"]["tool_calls"], out["metadata"]["tool_calls_dropped"]) == (k, 3 - k)
+    assert out["metadata"]["num_turns"] == 4  # one tool turn, however many calls it ran
+
+
+def test_num_turns_is_verls_count() -> None:
+    """user/tool turns + assistant turns + 1 (verl's AgentLoopOutput.num_turns): 2 for a plain answer."""
+    out, _ = run_agent([completion("\\boxed{34}")])
+    assert out["metadata"]["num_turns"] == 2 and out["metadata"]["stop"] == "answer"
+    calls = [completion(None, [("code_interpreter", {"code": f"print({i})"})]) for i in range(3)]
+    out, _ = run_agent([*calls, completion("\\boxed{2}")])
+    assert out["metadata"]["num_turns"] == 8 and out["metadata"]["tool_turns"] == 3
+
+
+@pytest.mark.parametrize("code, want", [
+    ("```python\nx = 6 * 7\nx\n```", "x = 6 * 7\nprint(x)"),  # the fenced block, its last expression printed
+    ("Let me run:\n```python\nprint(1)\n```\nand\n```python\n2\n```", "print(1)"),  # the first block only
+    ("a = [1, 2]\nsum(a)", "a = [1, 2]\nprint(sum(a))"),
+    ("print(3)", "print(3)"),
+    ("x = 5", "x = 5"),  # not an expression: left alone (the recipe would write print(x = 5))
+    ("for i in range(2):\n    i", "for i in range(2):\n    i"),  # the last statement is the loop
+    ("y = 2; y ** 2", "y = 2; print(y ** 2)"),
+    ("(1 +\n 2)", "print((1 +\n 2))"),  # a multi-line expression
+    ("s = 'é'; s + 'ü'", "s = 'é'; print(s + 'ü')"),  # column offsets count bytes
+    ("def f(:\n  pass", "def f(:\n  pass"),  # a syntax error: as written, the sandbox reports it
+    ("```python\n\n```", ""),
+    ("", ""),
+])
+def test_clean_code_as_the_recipe(code: str, want: str) -> None:
+    assert clean_code(code) == want
+
+
+def test_both_backends_see_cleaned_code_and_answer_alike(monkeypatch) -> None:
+    """The clean-up runs in the agent, before the sandbox: the local backend and E2B (the real SDK against the fake
+    E2B server of test_sandbox_e2b) give the model the same observation."""
+    pytest.importorskip("e2b_code_interpreter")
+    import threading
+    from http.server import ThreadingHTTPServer
+
+    from tests.unit.test_sandbox_e2b import KEY, FakeE2B
+
+    code = "Compute it:\n```python\nimport math\nmath.factorial(5) + len('ü')\n```"
+    replies = lambda: [completion(None, [("code_interpreter", {"code": code})]), completion("\\boxed{121}")]  # noqa: E731
+    _, local = run_agent(replies())
+    server = ThreadingHTTPServer(("127.0.0.1", 0), FakeE2B)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.setenv("RAYRL_TEST_E2B_KEY", KEY)
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        e2b = SandboxPool(SandboxConfig(backend="e2b", e2b_api_key_env="RAYRL_TEST_E2B_KEY", e2b_api_url=url,
+                                        e2b_sandbox_url=url, max_concurrency=1))
+        _, remote = run_agent(replies(), sandbox=e2b)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert local.requests[1]["messages"][-1]["content"] == "121"
+    assert remote.requests[1]["messages"][-1] == local.requests[1]["messages"][-1]
 
 
 def test_without_ctx_sandbox_the_code_tool_is_a_clear_error() -> None:
