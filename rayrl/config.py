@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 import json
 import os
 import types
@@ -469,7 +470,7 @@ def validate(cfg: Config, check_files: bool = True) -> None:
             _require(os.path.isdir(cfg.model.path), f"model.path: {cfg.model.path!r} is not a directory (or 'smollm2')")
             _check_sequence_parallel_heads(cfg.model.path, sp)
     # Last, the checks that import code (the user's modules, reasoning-gym): every cheap error is reported first.
-    check_callable(r.agent, "rollout.agent")
+    _check_agent(check_callable(r.agent, "rollout.agent"), r)
     if custom_reward:
         check_callable(cfg.reward.fn, "reward.fn")
     if check_files:
@@ -589,6 +590,26 @@ def check_callable(spec: str, name: str) -> Any:
     if not callable(fn):
         raise ConfigError(f"{name}={spec!r}: module {mod_name!r} has no function {fn_name!r}")
     return fn
+
+
+def _check_agent(fn: Any, r: RolloutConfig) -> None:
+    """An agent is `async def agent(ctx, config) -> dict`; a module that offers `check_config(agent_config)` (the
+    builtin tool agent does) has rollout.agent_config checked here too, before any actor starts."""
+    try:
+        inspect.signature(fn).bind(None, None)
+    except TypeError:
+        raise ConfigError(f"rollout.agent={r.agent!r} must take (ctx, config): async def agent(ctx, config) -> dict; "
+                          f"it takes {inspect.signature(fn)}") from None
+    except ValueError:  # no signature to read (a builtin): leave it to the first episode
+        pass
+    if not inspect.iscoroutinefunction(fn):
+        raise ConfigError(f"rollout.agent={r.agent!r} must be an async function (async def agent(ctx, config))")
+    checker = getattr(inspect.getmodule(fn), "check_config", None)
+    if callable(checker):
+        try:
+            checker(r.agent_config)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(str(e)) from None
 
 
 def _check_gym(src: str, name: str) -> None:

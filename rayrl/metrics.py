@@ -94,7 +94,7 @@ class StepLogger:
             parts += [f"val {k[len('val-core/'):k.rindex('/acc/')]} acc{k[k.rindex('@'):]} {v:.3f}"
                       for k, v in m.items() if k.startswith("val-core/") and "/acc/mean@" in k]
             self.bar.write(f"step {step}: " + "  ".join(parts))
-            self.bar.update(1)
+            self.bar.update(max(step - self.bar.n, 0))  # step 0 (validation before training) is no step done
 
     def generations(self, step: int, rows: list[dict]) -> None:
         """`trainer.log_val_generations`: one validation's sampled generations (`val_generations`) to
@@ -135,21 +135,25 @@ def summarize(values: list[float]) -> tuple[float, float]:
 
 def val_metrics(trajs: list) -> dict[str, float]:
     """Validation metrics per data source, computed and named as verl does: its `process_validation_metrics` over
-    each sample's acc, reward and pred, grouped by prompt; `val-core/<source>/acc/{mean,best,maj}@n...` for the
-    largest n (samples per prompt), everything else `val-aux/...`. acc is on a 0-1 scale (`val_acc`) and a failed
-    sample counts 0 (verl 0.9 counts a missing sample's acc 0 too); reward is the trained reward of the successful
-    samples; pred, the extracted answer, is maj@n's vote."""
+    each sample's acc and reward (pred, the extracted answer, is maj@n's vote), grouped by prompt;
+    `val-core/<source>/acc/{mean,best,maj}@n...` for the largest n (samples per prompt), everything else
+    `val-aux/...`. acc is on a 0-1 scale (`val_acc`) and a failed sample counts 0 (verl 0.9 counts a missing
+    sample's acc 0 too); reward is the trained reward of the successful samples only."""
     from verl.trainer.ppo.metric_utils import process_validation_metrics  # the driver has verl loaded already
 
     from rayrl.rewards import extract_answer
 
-    infos: dict[str, list] = {"acc": [val_acc(t) for t in trajs],
-                              "reward": [t.reward if t.ok else None for t in trajs],
-                              "pred": [(extract_answer(str(t.answer)) or "") if t.ok else "" for t in trajs]}
-    metrics = process_validation_metrics([t.data_source for t in trajs], [t.group_id for t in trajs], infos)
+    def pred(t) -> str:
+        return (extract_answer(str(t.answer)) or "") if t.ok else ""
+
+    ok = [t for t in trajs if t.ok]
+    # two calls, as verl 0.6's takes no None for a sample without a value (verl 0.9's would skip it)
+    metrics = [process_validation_metrics([t.data_source for t in ts], [t.group_id for t in ts], infos)
+               for ts, infos in ((trajs, {"acc": [val_acc(t) for t in trajs], "pred": [pred(t) for t in trajs]}),
+                                 (ok, {"reward": [t.reward for t in ok], "pred": [pred(t) for t in ok]}))]
     out: dict[str, float] = {}
-    for source, var2metric in sorted(metrics.items()):
-        for var, metric in var2metric.items():
+    for source in sorted({s for m in metrics for s in m}):
+        for var, metric in [vm for m in metrics for vm in m.get(source, {}).items()]:
             n_max = max(int(name.split("@")[-1].split("/")[0]) for name in metric)
             for name, value in metric.items():  # verl's ray_trainer._val_metrics_update, with acc as the core var
                 core = var == "acc" and name.startswith(("mean", "maj", "best")) and f"@{n_max}" in name

@@ -49,7 +49,7 @@ def sft(cfg: Config) -> dict:
     try:
         actors = cluster.start_learners(cfg, model_path)
         step = resume(cfg, actors.learners, data)
-        log = StepLogger(t.output_dir, t.logger, total, step, cfg.to_dict(), t.experiment_name)
+        log = StepLogger(t.output_dir, t.logger, total, step, cfg.to_dict(), t.experiment_name, t.project_name)
         log.info(f"sft: {len(rows)} conversations ({sum(e.num_tokens for e in rows)} tokens), {total} steps of "
                  f"{s.batch_size}" + (f", {len(val_rows)} for validation" if val_rows else ""))
         if val_rows and t.val_before_train and step == 0:

@@ -10,11 +10,17 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 
+def _val_key(row: dict) -> str | None:
+    """Validation accuracy (0-1): verl's val-core/<source>/acc/mean@n; older runs logged val/reward_mean (-1..1)."""
+    return next((k for k in row if k.startswith("val-core/") and "/acc/mean@" in k),
+                "val/reward_mean" if "val/reward_mean" in row else None)
+
+
 def main(src: str, dst: str,
          title: str = "SmolLM2-135M-Instruct, GRPO on reasoning-gym basic_arithmetic, one H200") -> None:
     rows = [json.loads(line) for line in open(src)]
     tr = [(r["step"], r["reward/mean"]) for r in rows if "reward/mean" in r]
-    va = [(r["step"], r["val/reward_mean"]) for r in rows if "val/reward_mean" in r]
+    va = [(r["step"], r[k]) for r in rows if (k := _val_key(r))]
     fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
     ax.plot(*zip(*tr, strict=True), color="tab:blue", alpha=0.6, label="train reward (mean of 32 prompts x 8 samples)")
     ax.plot(*zip(*va, strict=True), "o-", color="tab:red",

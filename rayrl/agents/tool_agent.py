@@ -146,6 +146,12 @@ class Settings:
 _OTHER_KEYS = {"tools", "system_prompt", "sampling"}  # read by agent() itself
 
 
+def check_config(config: dict) -> None:
+    """rollout.agent_config checked before any actor starts (rayrl.config calls it): the settings and the tools."""
+    Settings.of(config)
+    load_tools(config.get("tools"))
+
+
 def truncate(text: str, limit: int, side: str = "middle") -> str:
     """verl's cut of a tool response longer than `limit` characters, with verl's markers: "left" keeps the first
     `limit` characters, "right" the last `limit`, "middle" the first and last `limit // 2`."""

@@ -188,3 +188,18 @@ def test_e2b_sandbox_without_its_package(monkeypatch) -> None:
 def test_the_agents_old_sandbox_section_is_refused() -> None:
     with pytest.raises(ConfigError, match=r"rollout.agent_config.sandbox is no longer read: move it to the top-level"):
         load_config(None, ["rollout.agent_config={sandbox: {backend: e2b}}"])
+
+
+@pytest.mark.parametrize("agent, agent_config, message", [
+    ("builtins:len", {}, r"must take \(ctx, config\)"),
+    ("os.path:join", {}, "must be an async function"),
+    ("rayrl.agents.tool_agent:agent", {"max_turn": 3}, "rollout.agent_config.max_turn is not a setting"),
+    ("rayrl.agents.tool_agent:agent", {"max_turns": 0}, "max_turns must be an integer >= 1"),
+    ("rayrl.agents.tool_agent:agent", {"tools": [{"builtin": "web"}]}, "the only built-in tool is code_interpreter"),
+])
+def test_agent_checked_before_start(agent, agent_config, message):
+    import json
+
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [f"rollout.agent={agent}", f"rollout.agent_config={json.dumps(agent_config)}"],
+                    check_files=False)

@@ -57,9 +57,13 @@ def test_val_generations_jsonl(tmp_path):
 
 def test_console_line_shows_validation_accuracy(tmp_path, capsys):
     log = StepLogger(str(tmp_path), ["console"], total_steps=2, start_step=0, run_config={}, name="t")
+    log.log(0, {"val-core/aime_2024/acc/mean@30": 0.125})  # validation before training: no step done yet
+    assert log.bar.n == 0
     log.log(1, {**M, "val-core/aime_2024/acc/mean@30": 0.25, "val-core/aime_2024/acc/best@30/mean": 0.5})
+    assert log.bar.n == 1
     log.close()
-    assert "val aime_2024 acc@30 0.250" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "step 0: val aime_2024 acc@30 0.125" in out and "val aime_2024 acc@30 0.250" in out
 
 
 def test_wandb_offline_needs_no_account_and_gets_the_project(tmp_path, monkeypatch):

@@ -169,14 +169,23 @@ def test_one_rank_accumulates_gradients_like_per_micro_batch_reduction(make_lear
     calls = []
     real = fast._accumulate_locally
     monkeypatch.setattr(fast, "_accumulate_locally", lambda more: (calls.append(more), real(more)))
+    grads = {}  # each learner's gradients as its optimizer step sees them (train_step frees them afterwards)
+
+    def record(ln, name):
+        step = ln.optim.step
+        monkeypatch.setattr(ln.optim, "step", lambda *a, **k: (grads.__setitem__(name, _grads(ln)), step(*a, **k)))
+
+    record(fast, "fast")
     stats = fast.train_step(batch)
     assert calls == [True] * (len(calls) - 1) + [False]  # sums while more follow, reduces at the last
     plain = make_learner("model.dtype=bfloat16", "learner.max_tokens_per_micro_batch=40")
     monkeypatch.setattr(plain, "_accumulate_locally", lambda more: None)  # reduce after every micro-batch
+    record(plain, "plain")
     base = plain.train_step(batch)
     assert stats.loss == pytest.approx(base.loss, abs=1e-6)
-    want = _grads(plain)
-    for n, g in _grads(fast).items():
+    want = grads["plain"]
+    assert want and set(want) == set(grads["fast"])
+    for n, g in grads["fast"].items():
         assert g.dtype == torch.float32, n
         torch.testing.assert_close(g, want[n], atol=1e-6, rtol=1e-5, msg=n)
     # the next step re-gathers the updated weights: both learners still agree after their optimizer steps
