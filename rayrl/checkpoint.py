@@ -3,7 +3,8 @@
 A kill at any point leaves the previous complete checkpoint usable: a dir without COMPLETE is never
 loaded (and is cleaned up by the next save). Layout of `<output_dir>/checkpoints/step_<k>/`:
 `learner/` (model + optimizer shards, torch.distributed.checkpoint), `rng_rank<r>.pt`,
-`trainer_state.json` (step, policy version, data position, driver RNG), `COMPLETE`.
+`trainer_state.json` (step, policy version, data position, driver RNG, the model the run started from),
+`COMPLETE`.
 """
 
 from __future__ import annotations
@@ -58,6 +59,11 @@ def commit(tmp: str, step: int, state: dict[str, Any], keep: int = 2) -> str:
     for old in done[:-keep] if keep > 0 else []:
         shutil.rmtree(os.path.join(base, f"step_{old}"), ignore_errors=True)
     return final
+
+
+def base_model(path: str) -> str:
+    """What a checkpoint records as the model a run started from: "smollm2" as it is, a folder as an absolute path."""
+    return path if path == "smollm2" else os.path.abspath(path)
 
 
 def load_state(ckpt: str) -> dict[str, Any]:

@@ -27,7 +27,8 @@ def main(argv: list[str] | None = None) -> int:
         p = argparse.ArgumentParser(prog="rayrl export-hf")
         p.add_argument("checkpoint")
         p.add_argument("-o", "--out", required=True)
-        p.add_argument("--model", default="smollm2", help="the base model the run started from (config + tokenizer)")
+        p.add_argument("--model", default=None,
+                       help="the base model (config + tokenizer); default: the one the checkpoint records")
         a = p.parse_args(rest)
         from rayrl.export import export_hf
 

@@ -5,25 +5,27 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 
+from rayrl.checkpoint import load_state
 from rayrl.models import resolve_model
 
 
-def export_hf(ckpt: str, out_dir: str, model: str = "smollm2") -> str:
-    """Merge the model shards of `ckpt` (torch.distributed.checkpoint) into `out_dir`, with the base model's
-    config, tokenizer and chat template. Runs in one process, no GPU needed."""
-    import torch
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+def export_hf(ckpt: str, out_dir: str, model: str | None = None) -> str:
+    """Merge the model shards of `ckpt` (torch.distributed.checkpoint; the optimizer state is not read) into
+    `out_dir`, with the base model's config, tokenizer and chat template. The base model is the one the run started
+    from, recorded in the checkpoint (`model` overrides it). Runs in one process, no GPU needed."""
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
     learner_dir = os.path.join(ckpt, "learner")
     if not os.path.isdir(learner_dir):
         raise FileNotFoundError(f"{ckpt!r} is not a rayrl checkpoint (no learner/ inside)")
+    if model is None:
+        model = load_state(ckpt).get("model_path") if os.path.exists(os.path.join(ckpt, "trainer_state.json")) else None
+        if model is None:
+            raise ValueError(f"{ckpt!r} does not record the model the run started from (written before "
+                             "2026-12-03): pass --model PATH")
     base = resolve_model(model)
-    with tempfile.TemporaryDirectory() as tmp:
-        merged = os.path.join(tmp, "merged.pt")
-        dcp_to_torch_save(learner_dir, merged)
-        state = torch.load(merged, weights_only=False)["model"]
+    state = _load_state_dict_from_keys(keys={"model"}, checkpoint_id=learner_dir)["model"]
     return write_hf(state, base, out_dir)
 
 
@@ -44,9 +46,10 @@ def write_hf(state: dict, base: str, out_dir: str) -> str:
     config.save_pretrained(staging)
     AutoTokenizer.from_pretrained(base).save_pretrained(staging)
     try:
-        GenerationConfig.from_pretrained(base).save_pretrained(staging)
-    except OSError:
-        pass  # the base model has none
+        generation = GenerationConfig.from_pretrained(base)
+    except OSError:  # the base model has none: the defaults its config implies (eos, bos, pad token ids)
+        generation = GenerationConfig.from_model_config(config)
+    generation.save_pretrained(staging)
     if os.path.exists(out_dir):
         shutil.rmtree(out_dir)
     os.rename(staging, out_dir)

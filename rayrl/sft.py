@@ -141,7 +141,8 @@ def save(cfg: Config, learners: list, step: int, data_state: dict) -> str:
     tmp = checkpoint.begin(cfg.trainer.output_dir, step)
     ray.get([ln.save.remote(tmp) for ln in learners], timeout=cfg.learner.timeout)
     return checkpoint.commit(tmp, step, {"step": step, "policy_version": step, "data": data_state,
-                                         "python_rng": random.getstate()})
+                                         "python_rng": random.getstate(),
+                                         "model_path": checkpoint.base_model(cfg.model.path)})
 
 
 def check_cluster(cfg: Config, resources: dict[str, float]) -> None:

@@ -212,7 +212,8 @@ def save(cfg: Config, actors, step: int, version: int, data_state: dict) -> str:
     with trace.span("checkpoint", step=step):
         ray.get([ln.save.remote(tmp) for ln in actors.learners], timeout=cfg.learner.timeout)
     return checkpoint.commit(tmp, step, {"step": step, "policy_version": version, "data": data_state,
-                                         "python_rng": random.getstate()})
+                                         "python_rng": random.getstate(),
+                                         "model_path": checkpoint.base_model(cfg.model.path)})
 
 
 def validate(cfg: Config, actors, rows: list, version: int, step: int, log: StepLogger, decode) -> dict[str, float]:

@@ -6,6 +6,7 @@ tests/integration/test_tied_sync.py; cuda_ipc: tests/gpu/test_gpu_weight_sync.py
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
 import torch
@@ -218,3 +219,24 @@ def test_hf_engine_loads_the_embedding_into_both(tied_model):
     assert m.lm_head.weight is m.model.embed_tokens.weight
     assert torch.equal(m.lm_head.weight, new.model.embed_tokens.weight)
     asyncio.run(engine.shutdown())
+
+
+def test_export_reads_the_base_model_from_the_checkpoint(learner, tied_model, tmp_path):
+    """`rayrl export-hf CKPT -o OUT` without --model takes the base model the checkpoint records (not SmolLM2's), reads
+    no optimizer state, and writes a generation config; a checkpoint that records none asks for --model."""
+    import json
+
+    from rayrl import checkpoint
+    from rayrl.export import export_hf
+
+    tmp = checkpoint.begin(str(tmp_path / "run"), 1)
+    learner.save(tmp)
+    ckpt = checkpoint.commit(tmp, 1, {"step": 1, "model_path": checkpoint.base_model(tied_model)})
+    out = export_hf(ckpt, str(tmp_path / "hf"))
+    with open(f"{out}/config.json") as f:
+        assert json.load(f)["model_type"] == "qwen3"  # the tied Qwen3's config, not SmolLM2's llama
+    assert os.path.exists(f"{out}/generation_config.json")
+    with open(os.path.join(ckpt, "trainer_state.json"), "w") as f:
+        json.dump({"step": 1}, f)
+    with pytest.raises(ValueError, match="pass --model PATH"):
+        export_hf(ckpt, str(tmp_path / "hf2"))
