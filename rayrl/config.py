@@ -8,6 +8,7 @@ as a `ConfigError` whose one-line message names the field and the values.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import importlib
 import inspect
 import json
@@ -292,7 +293,9 @@ def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] 
             with open(path) as f:
                 raw = yaml.safe_load(f) or {}
         except yaml.YAMLError as e:
-            raise ConfigError(f"job file {path!r} is not valid YAML: {str(e).splitlines()[0]}") from None
+            mark = getattr(e, "problem_mark", None)
+            at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+            raise ConfigError(f"job file {path!r} is not valid YAML{at}: {getattr(e, 'problem', None) or e}") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"job file {path!r} must hold a mapping of sections, got {type(raw).__name__}")
     for item in overrides:
@@ -309,9 +312,31 @@ def load_config(path: str | None = None, overrides: list[str] | tuple[str, ...] 
             node[leaf] = yaml.safe_load(value) if value != "" else ""
         except yaml.YAMLError:
             raise ConfigError(f"override {item!r}: value {value!r} is not valid YAML") from None
+    unknown = _unknown_keys(Config, raw, "")
+    if unknown:
+        raise ConfigError(f"unknown config keys: {'; '.join(unknown)}" if len(unknown) > 1 else
+                          f"unknown config key {unknown[0]}")
     cfg = _build(Config, raw, "")
     validate(cfg, check_files=check_files)
     return cfg
+
+
+def _unknown_keys(cls: type, raw: Any, prefix: str) -> list[str]:
+    """Every key of `raw` (and of its sections) that `cls` lacks, each with the closest known name."""
+    if not isinstance(raw, dict):
+        return []
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    out = []
+    for key, value in raw.items():
+        if key not in fields:
+            close = difflib.get_close_matches(str(key), list(fields), n=1)
+            out.append(f"{prefix}{key}" + (f" (did you mean {prefix}{close[0]}?)" if close else
+                                           f" (known: {', '.join(sorted(fields))})"))
+            continue
+        sub = typing.get_type_hints(cls)[key]
+        if dataclasses.is_dataclass(sub):
+            out += _unknown_keys(sub, value, f"{prefix}{key}.")
+    return out
 
 
 def _build(cls: type, raw: Any, prefix: str) -> Any:
@@ -468,6 +493,8 @@ def validate(cfg: Config, check_files: bool = True) -> None:
                 _require(os.path.exists(src), f"{name}: file {src!r} does not exist")
         if cfg.model.path != "smollm2":
             _require(os.path.isdir(cfg.model.path), f"model.path: {cfg.model.path!r} is not a directory (or 'smollm2')")
+            _require(os.path.exists(os.path.join(cfg.model.path, "config.json")),
+                     f"model.path: {cfg.model.path!r} has no config.json: not a Hugging Face model folder")
             _check_sequence_parallel_heads(cfg.model.path, sp)
     # Last, the checks that import code (the user's modules, reasoning-gym): every cheap error is reported first.
     _check_agent(check_callable(r.agent, "rollout.agent"), r)

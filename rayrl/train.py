@@ -36,13 +36,16 @@ def train(cfg: Config) -> dict:
     """Run the job; returns a summary (final step, checkpoint, HF folder, last metrics)."""
     t = cfg.trainer
     model_path = resolve_model(cfg.model.path)
+    d = cfg.data
+    try:  # before Ray: a bad row is a one-line error naming the file and row, and nothing has started
+        rows = load_rows(d.source, d.size, t.seed, d.gym_kwargs, d.system_prompt)
+        val_rows = [row for src in d.val_source or [] for row in load_rows(src, d.val_size, t.seed + 1, d.gym_kwargs,
+                                                                          d.system_prompt)]
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+    data = DataIterator(rows, t.batch_size, t.seed, d.shuffle)
     cluster.connect(cfg)
     check_cluster(cfg, ray.cluster_resources())
-    d = cfg.data
-    rows = load_rows(d.source, d.size, t.seed, d.gym_kwargs, d.system_prompt)
-    data = DataIterator(rows, t.batch_size, t.seed, d.shuffle)
-    val_rows = [row for src in d.val_source or [] for row in load_rows(src, d.val_size, t.seed + 1, d.gym_kwargs,
-                                                                      d.system_prompt)]
     decode = _decoder(model_path) if val_rows and t.log_val_generations else None
     actors, log, summary = None, None, {}
     if t.trace:

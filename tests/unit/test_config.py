@@ -38,7 +38,10 @@ def _error(agent: str, overrides: list[str], yaml_text: str | None = None) -> st
 BAD = [
     # (id, yaml file text or None, overrides, fragments the message must hold)
     ("unknown-section", "optimizer:\n  lr: 0.1\n", [], ["unknown config key optimizer"]),
-    ("unknown-key", None, ["rollout.nn=4"], ["unknown config key rollout.nn", "known:", "n,"]),
+    ("unknown-key", None, ["rollout.nn=4"], ["unknown config key rollout.nn (did you mean rollout.n?)"]),
+    ("unknown-keys-all", "model:\n  dtpe: float32\ntrainer:\n  total_step: 3\n", [],
+     ["unknown config keys: model.dtpe (did you mean model.dtype?); trainer.total_step (did you mean "
+      "trainer.total_steps?)"]),
     ("wrong-type", None, ["rollout.n=four"], ["rollout.n must be int", "'four'"]),
     ("bool-for-int", None, ["rollout.n=true"], ["rollout.n must be int", "True"]),
     ("float-not-number", None, ["learner.lr=fast"], ["learner.lr must be float", "'fast'"]),
@@ -70,6 +73,7 @@ BAD = [
     ("override-into-scalar", "trainer:\n  total_steps: 3\n", ["trainer.total_steps.x=1"],
      ["'total_steps' is not a section"]),
     ("yaml-not-parsing", "trainer: [unclosed\n", [], ["job.yaml", "not valid YAML"]),
+    ("yaml-line-column", "model:\n  path: smollm2\n trainer: [\n", [], ["not valid YAML at line 3, column 2"]),
     ("yaml-not-mapping", "- a\n- b\n", [], ["job.yaml", "mapping", "list"]),
     ("resume-nowhere", None, ["trainer.resume=/nonexistent/ckpt"], ["trainer.resume='/nonexistent/ckpt'"]),
     ("bad-loss-agg", None, ["algo.loss_agg_mode=mean"], ["algo.loss_agg_mode='mean'"]),
@@ -203,3 +207,9 @@ def test_agent_checked_before_start(agent, agent_config, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, [f"rollout.agent={agent}", f"rollout.agent_config={json.dumps(agent_config)}"],
                     check_files=False)
+
+
+def test_model_path_must_be_a_model_folder(tmp_path) -> None:
+    (tmp_path / "notes.txt").write_text("not a model")
+    with pytest.raises(ConfigError, match="has no config.json: not a Hugging Face model folder"):
+        load_config(None, [f"model.path={tmp_path}"])
