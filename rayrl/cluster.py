@@ -12,6 +12,7 @@ and learner rank i in bundle i (see `colocated`).
 from __future__ import annotations
 
 import os
+import secrets
 import socket
 import uuid
 from dataclasses import dataclass, field
@@ -42,6 +43,12 @@ def connect(cfg: Config) -> None:
                               "start one with `ray start --head`, or unset it to run on a local Ray")
     # Actors mostly wait on each other: a local cluster gets more CPU slots than cores.
     num_cpus = None if address else (cfg.trainer.ray_num_cpus or max(8, 4 * (os.cpu_count() or 2)))
+    if not address and not any(k in os.environ for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")):
+        # Ray turns token auth on for a local cluster and writes ~/.ray/auth_token, which then switches auth on for a
+        # later `ray start --head` and breaks a `ray job submit` from a shell without RAY_AUTH_MODE=token. This
+        # private cluster keeps auth on with a token of its own, in its processes' environment only.
+        os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
+        ray._raylet.Config.initialize("")  # re-read by this process (Ray caches its config at import)
     namespace = f"rayrl-{cfg.trainer.experiment_name}-{uuid.uuid4().hex[:6]}"
     ray.init(address=address, num_cpus=num_cpus, namespace=namespace,
              include_dashboard=None if address else False, log_to_driver=True,
