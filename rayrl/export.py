@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 
+from rayrl import templates
 from rayrl.checkpoint import load_state
 from rayrl.models import resolve_model
 
@@ -25,17 +26,19 @@ def export_hf(ckpt: str, out_dir: str, model: str | None = None) -> str:
             raise ValueError(f"{ckpt!r} does not record the model the run started from (written before "
                              "2026-12-03): pass --model PATH")
     base = resolve_model(model)
+    chat_template = load_state(ckpt).get("chat_template") if os.path.exists(
+        os.path.join(ckpt, "trainer_state.json")) else None
     state = _load_state_dict_from_keys(keys={"model"}, checkpoint_id=learner_dir)["model"]
-    return write_hf(state, base, out_dir)
+    return write_hf(state, base, out_dir, chat_template)
 
 
-def write_hf(state: dict, base: str, out_dir: str) -> str:
+def write_hf(state: dict, base: str, out_dir: str, chat_template: str | None = None) -> str:
     """Write `state` (full tensors by parameter name) as `out_dir`/model.safetensors beside the config, tokenizer,
     chat template and generation config (when it has one) of the base model folder `base`. Staged in a sibling
     folder and renamed into place, replacing an older `out_dir`. A tied model's lm_head is written once, as the
     embedding (`untied_state`)."""
     from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers import AutoConfig, GenerationConfig
 
     config = AutoConfig.from_pretrained(base)
     state = untied_state(state, config)
@@ -44,7 +47,7 @@ def write_hf(state: dict, base: str, out_dir: str) -> str:
     save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(staging, "model.safetensors"),
               metadata={"format": "pt"})
     config.save_pretrained(staging)
-    AutoTokenizer.from_pretrained(base).save_pretrained(staging)
+    templates.tokenizer(base, chat_template).save_pretrained(staging)  # with the template the run rendered with
     try:
         generation = GenerationConfig.from_pretrained(base)
     except OSError:  # the base model has none: the defaults its config implies (eos, bos, pad token ids)

@@ -7,7 +7,8 @@ import json
 import os
 import sys
 
-CONSOLE_KEYS = [("reward/mean", "reward {:.3f}"), ("reward/std", "±{:.3f}"), ("response/length_mean", "len {:.0f}"),
+CONSOLE_KEYS = [("reward/mean", "reward {:.3f}"), ("reward/std", "±{:.3f}"), ("tools/call_rate", "tool use {:.0%}"),
+                ("tools/calls_mean", "calls {:.2f}"), ("response/length_mean", "len {:.0f}"),
                 ("rollout/tokens_per_s", "rollout {:.0f} tok/s"), ("time/step_s", "step {:.1f}s"),
                 ("trajectories/failed", "failed {:.0f}"), ("actor/loss", "loss {:+.4f}"),
                 ("actor/entropy", "entropy {:.3f}"), ("actor/grad_norm", "gnorm {:.3f}"),
@@ -191,6 +192,7 @@ def tool_metrics(trajs: list) -> dict[str, float]:
         return {}
     calls = sum(m["tool_calls"] for m in tooled)
     return {"tools/calls_mean": calls / len(tooled),
+            "tools/call_rate": sum(1 for m in tooled if m.get("tool_calls", 0) > 0) / len(tooled),
             "sandbox/error_rate": sum(m.get("sandbox_errors", 0) for m in tooled) / max(calls, 1)}
 
 

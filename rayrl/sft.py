@@ -70,7 +70,6 @@ def sft(cfg: Config) -> dict:
         if t.export_hf:
             hf_dir = f"{t.output_dir}/hf"
             ray.get([ln.export_hf.remote(hf_dir) for ln in actors.learners], timeout=cfg.learner.timeout)
-            tok.save_pretrained(hf_dir)  # with the chat template trained on (rank 0 wrote the base model's)
             summary["hf"] = hf_dir
         log.info(f"done: {summary.get('step', step)} steps. checkpoint: {summary.get('checkpoint', '-')}  "
                  f"Hugging Face model: {summary.get('hf', '-')}")
@@ -142,7 +141,8 @@ def save(cfg: Config, learners: list, step: int, data_state: dict) -> str:
     ray.get([ln.save.remote(tmp) for ln in learners], timeout=cfg.learner.timeout)
     return checkpoint.commit(tmp, step, {"step": step, "policy_version": step, "data": data_state,
                                          "python_rng": random.getstate(),
-                                         "model_path": checkpoint.base_model(cfg.model.path)})
+                                         "model_path": checkpoint.base_model(cfg.model.path),
+                                         "chat_template": cfg.model.chat_template})
 
 
 def check_cluster(cfg: Config, resources: dict[str, float]) -> None:

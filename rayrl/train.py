@@ -216,7 +216,8 @@ def save(cfg: Config, actors, step: int, version: int, data_state: dict) -> str:
         ray.get([ln.save.remote(tmp) for ln in actors.learners], timeout=cfg.learner.timeout)
     return checkpoint.commit(tmp, step, {"step": step, "policy_version": version, "data": data_state,
                                          "python_rng": random.getstate(),
-                                         "model_path": checkpoint.base_model(cfg.model.path)})
+                                         "model_path": checkpoint.base_model(cfg.model.path),
+                                         "chat_template": cfg.model.chat_template})
 
 
 def validate(cfg: Config, actors, rows: list, version: int, step: int, log: StepLogger, decode) -> dict[str, float]:
