@@ -495,6 +495,8 @@ def validate(cfg: Config, check_files: bool = True) -> None:
             _require(os.path.isdir(cfg.model.path), f"model.path: {cfg.model.path!r} is not a directory (or 'smollm2')")
             _require(os.path.exists(os.path.join(cfg.model.path, "config.json")),
                      f"model.path: {cfg.model.path!r} has no config.json: not a Hugging Face model folder")
+            _require(any(f.endswith((".safetensors", ".bin")) for f in os.listdir(cfg.model.path)),
+                     f"model.path: {cfg.model.path!r} has no weights (*.safetensors or *.bin)")
             _check_sequence_parallel_heads(cfg.model.path, sp)
     # Last, the checks that import code (the user's modules, reasoning-gym): every cheap error is reported first.
     _check_agent(check_callable(r.agent, "rollout.agent"), r)

@@ -27,6 +27,17 @@ def test_config_error_exits_2_with_one_line(overrides, message):
     assert len(lines) == 1 and lines[0].startswith("rayrl: config error:") and message in lines[0], p.stderr
 
 
+def test_bad_data_row_exits_2_before_ray_starts(tmp_path):
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"prompt": [{"role": "user", "content": "1+1"}], "reward_model": {"style": "rule"}, '
+                    '"data_source": "x"}\n')
+    p = subprocess.run([sys.executable, "-m", "rayrl", "train", f"data.source={rows}"], capture_output=True, text=True,
+                       timeout=300, cwd=ROOT)
+    assert p.returncode == 2 and "Ray instance" not in p.stderr, p.stderr
+    assert p.stderr.strip() == (f"rayrl: config error: {rows} row 1: reward_model must be a mapping with a "
+                                "ground_truth, got {'style': 'rule'}")
+
+
 def test_rayrl_train_reports_a_config_error_before_importing_ray_torch_verl():
     code = ("import sys\n"
             "from rayrl.cli import main\n"

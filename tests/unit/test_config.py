@@ -213,3 +213,6 @@ def test_model_path_must_be_a_model_folder(tmp_path) -> None:
     (tmp_path / "notes.txt").write_text("not a model")
     with pytest.raises(ConfigError, match="has no config.json: not a Hugging Face model folder"):
         load_config(None, [f"model.path={tmp_path}"])
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ConfigError, match=r"has no weights \(\*.safetensors or \*.bin\)"):
+        load_config(None, [f"model.path={tmp_path}"])
