@@ -194,7 +194,8 @@ class _TokenLogprobs(torch.autograd.Function):
         k, t = ctx.kernels, ctx.temperature
         grad_x = torch.empty_like(x)
         if ctx.fused:
-            grad_w = None  # summed over chunks in fp32 (each chunk's GEMM in the weight's dtype)
+            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if len(targets) == 0 else None
+            # (summed over chunks in fp32, each chunk's GEMM in the weight's dtype; no rows: a zero gradient)
             buf = torch.empty(min(ctx.chunk, len(targets)), weight.shape[0], dtype=weight.dtype, device=x.device)
         for s in range(0, len(targets), ctx.chunk):
             sl = slice(s, s + ctx.chunk)

@@ -228,3 +228,14 @@ def test_logprob_head_keeps_the_parameter_and_is_plain_when_unbound():
     out = head(x)
     assert out.shape == (1, 5, 2)
     assert torch.allclose(out[0, :, 0], lin(x)[0].log_softmax(-1).gather(-1, targets[:, None])[:, 0], atol=1e-6)
+
+
+def test_fused_head_backward_on_no_rows():
+    """An empty chunk of positions (a rank whose share holds no response token) gives zero gradients, not a crash."""
+    from rayrl.logprobs import hidden_logprobs
+
+    hidden = torch.randn(0, 8).requires_grad_()
+    weight = torch.randn(11, 8).requires_grad_()
+    lp = hidden_logprobs(hidden, weight, torch.zeros(0, dtype=torch.long), 1.0, compiled=False)
+    lp.sum().backward()
+    assert hidden.grad.shape == (0, 8) and torch.equal(weight.grad, torch.zeros(11, 8))
