@@ -1,4 +1,4 @@
-"""`rayrl` command line: train | sft | trace dump | export-hf | make-model."""
+"""`rayrl` command line: train | sft | trace dump | export-hf | serve | make-model."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ def main(argv: list[str] | None = None) -> int:
               "       rayrl sft JOB.yaml [section.key=value ...]   (supervised fine-tuning on sft.train_file)\n"
               "       rayrl trace dump [RUN_DIR | JOB.yaml] [--steps FIRST LAST] -o trace.json\n"
               "       rayrl export-hf CHECKPOINT_DIR -o OUT_DIR [--model PATH]\n"
+              "       rayrl serve MODEL_DIR [--port 8000] [--served-model-name NAME] [-- vllm serve args]\n"
               "       rayrl make-model SHAPE OUT_DIR [--dtype bfloat16] [--untied]   (random-init seed shapes)\n\n"
               "`rayrl train` with no arguments runs the embedded default job (SmolLM2-135M, GRPO, arithmetic, CPU).")
         return 0 if argv else 2
@@ -38,7 +39,11 @@ def main(argv: list[str] | None = None) -> int:
         return trace_main(rest)
     if cmd == "make-model":
         return make_model_main(rest)
-    print(f"rayrl: unknown command {cmd!r} (train, sft, trace, export-hf, make-model)", file=sys.stderr)
+    if cmd == "serve":
+        from rayrl.serve import main as serve_main
+
+        return serve_main(rest)
+    print(f"rayrl: unknown command {cmd!r} (train, sft, trace, export-hf, serve, make-model)", file=sys.stderr)
     return 2
 
 
