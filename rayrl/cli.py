@@ -55,9 +55,9 @@ def train_main(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"rayrl: config error: {e}", file=sys.stderr)
         return 2
-    from rayrl.train import run  # seconds of imports (ray, torch, verl): only for a config that can run
+    from rayrl.train import train  # seconds of imports (ray, torch, verl): only for a config that can run
 
-    return run(cfg)
+    return run_driver(train, cfg)
 
 
 def sft_main(argv: list[str]) -> int:
@@ -70,9 +70,29 @@ def sft_main(argv: list[str]) -> int:
     except ConfigError as e:
         print(f"rayrl: config error: {e}", file=sys.stderr)
         return 2
-    from rayrl.sft import run
+    from rayrl.sft import sft
 
-    return run(cfg)
+    return run_driver(sft, cfg)
+
+
+def run_driver(driver, cfg) -> int:
+    """Run `rayrl train`'s or `rayrl sft`'s driver; the exit code. `ray job stop` sends SIGTERM: it unwinds like
+    Ctrl-C, so the driver's `finally` stops the actors. Errors found after the CLI's config check (a bad data row, a
+    cluster without the GPUs, no cluster at the address) are one line: exit 2 (config, data) or 1 (connection)."""
+    import signal
+
+    from rayrl.data import DataError
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    try:
+        driver(cfg)
+    except (ConfigError, DataError) as e:
+        print(f"rayrl: {'config' if isinstance(e, ConfigError) else 'data'} error: {e}", file=sys.stderr)
+        return 2
+    except ConnectionError as e:
+        print(f"rayrl: {e}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def make_model_main(argv: list[str]) -> int:

@@ -25,6 +25,10 @@ import numpy as np
 _ROLES = ("system", "user", "assistant", "tool")
 
 
+class DataError(ValueError):
+    """A data source or row that cannot be used; the message names the file and the row (one line)."""
+
+
 @dataclass
 class Row:
     """One prompt and what is needed to score it."""
@@ -45,9 +49,9 @@ def load_rows(source: str, size: int, seed: int, gym_kwargs: dict[str, Any] | No
         return _gym_rows(source.split(":", 1)[1], size, seed, gym_kwargs or {}, system_prompt)
     if source.endswith((".parquet", ".jsonl", ".json")):
         if not os.path.exists(source):
-            raise ValueError(f"data file {source!r} does not exist")
+            raise DataError(f"data file {source!r} does not exist")
         return [_verl_row(raw, source, n, system_prompt) for n, raw in _read_records(source)]
-    raise ValueError(f"data source {source!r} must be reasoning_gym:<task> or a .parquet/.jsonl/.json file")
+    raise DataError(f"data source {source!r} must be reasoning_gym:<task> or a .parquet/.jsonl/.json file")
 
 
 # --- reasoning-gym -----------------------------------------------------------------------------
@@ -56,11 +60,11 @@ def _gym_rows(task: str, size: int, seed: int, gym_kwargs: dict[str, Any], syste
     import reasoning_gym  # heavy, only for gym sources
 
     if task not in reasoning_gym.factory.DATASETS:
-        raise ValueError(f"reasoning_gym:{task}: unknown reasoning-gym task {task!r}")
+        raise DataError(f"reasoning_gym:{task}: unknown reasoning-gym task {task!r}")
     try:
         dataset = reasoning_gym.create_dataset(task, size=size, seed=seed, **gym_kwargs)
     except (TypeError, ValueError, AssertionError) as e:
-        raise ValueError(f"reasoning_gym:{task}: cannot create the dataset with data.gym_kwargs={gym_kwargs} "
+        raise DataError(f"reasoning_gym:{task}: cannot create the dataset with data.gym_kwargs={gym_kwargs} "
                          f"({type(e).__name__}: {e})") from None
     rows = []
     for i in range(size):
@@ -83,7 +87,7 @@ def _read_records(path: str) -> Iterator[tuple[int, Any]]:
         try:
             records = pq.read_table(path).to_pylist()  # plain lists and dicts, no numpy arrays
         except Exception as e:  # noqa: BLE001 - pyarrow has many error types; all mean "not readable"
-            raise ValueError(f"{name}: cannot read parquet ({type(e).__name__}: {e})") from None
+            raise DataError(f"{name}: cannot read parquet ({type(e).__name__}: {e})") from None
         yield from enumerate(records, start=1)
         return
     with open(path, encoding="utf-8") as f:
@@ -92,7 +96,7 @@ def _read_records(path: str) -> Iterator[tuple[int, Any]]:
         try:
             records = json.loads(text)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{name}: not valid JSON ({e})") from None
+            raise DataError(f"{name}: not valid JSON ({e})") from None
         yield from enumerate(records, start=1)
         return
     # .jsonl, or a .json file holding one object per line (pandas' to_json(lines=True))
@@ -102,7 +106,7 @@ def _read_records(path: str) -> Iterator[tuple[int, Any]]:
         try:
             yield n, json.loads(line)
         except json.JSONDecodeError as e:
-            raise ValueError(f"{name} row {n}: not valid JSON ({e.msg} at column {e.colno})") from None
+            raise DataError(f"{name} row {n}: not valid JSON ({e.msg} at column {e.colno})") from None
 
 
 def _plain(value: Any) -> Any:
@@ -121,34 +125,34 @@ def _plain(value: Any) -> Any:
 def _verl_row(raw: Any, name: str, n: int, system_prompt: str | None) -> Row:
     where = f"{name} row {n}"
     if not isinstance(raw, dict):
-        raise ValueError(f"{where}: must be an object with prompt, reward_model and data_source, "
+        raise DataError(f"{where}: must be an object with prompt, reward_model and data_source, "
                          f"got {type(raw).__name__}")
     raw = _plain(raw)
     prompt = raw.get("prompt")
     if not isinstance(prompt, list) or not prompt:
-        raise ValueError(f"{where}: prompt must be a non-empty list of {{role, content}} messages")
+        raise DataError(f"{where}: prompt must be a non-empty list of {{role, content}} messages")
     messages = []
     for k, m in enumerate(prompt):
         if not (isinstance(m, dict) and isinstance(m.get("role"), str)
                 and isinstance(m.get("content"), (str, list))):
-            raise ValueError(f"{where}: prompt must be a non-empty list of {{role, content}} messages "
+            raise DataError(f"{where}: prompt must be a non-empty list of {{role, content}} messages "
                              f"(message {k} is {_short(m)})")
         if m["role"] not in _ROLES:
-            raise ValueError(f"{where}: prompt message {k} has role {m['role']!r} "
+            raise DataError(f"{where}: prompt message {k} has role {m['role']!r} "
                              f"(expected one of {', '.join(_ROLES)})")
         # Parquet structs carry every key of every row; drop the ones this message does not set.
         messages.append({key: v for key, v in m.items() if v is not None})
     reward_model = raw.get("reward_model")
     if not isinstance(reward_model, dict) or reward_model.get("ground_truth") is None:
-        raise ValueError(f"{where}: reward_model must be a mapping with a ground_truth, got {_short(reward_model)}")
+        raise DataError(f"{where}: reward_model must be a mapping with a ground_truth, got {_short(reward_model)}")
     data_source = raw.get("data_source")
     if not isinstance(data_source, str) or not data_source:
-        raise ValueError(f"{where}: data_source must be a non-empty string, got {_short(data_source)}")
+        raise DataError(f"{where}: data_source must be a non-empty string, got {_short(data_source)}")
     extra_info = raw.get("extra_info")
     if extra_info is None:
         extra_info = {}
     if not isinstance(extra_info, dict):
-        raise ValueError(f"{where}: extra_info must be a mapping, got {_short(extra_info)}")
+        raise DataError(f"{where}: extra_info must be a mapping, got {_short(extra_info)}")
     return Row(messages=_with_system(messages, system_prompt), ground_truth=reward_model["ground_truth"],
                data_source=data_source, extra_info=extra_info)
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 import random
-import signal
 import sys
 import time
 
@@ -30,7 +29,7 @@ from rayrl.config import Config, ConfigError
 from rayrl.data import DataIterator
 from rayrl.metrics import StepLogger
 from rayrl.models import resolve_model
-from rayrl.sft_data import Example, RowError, load_examples
+from rayrl.sft_data import Example, load_examples
 from rayrl.types import TrainBatch
 
 
@@ -152,21 +151,6 @@ def check_cluster(cfg: Config, resources: dict[str, float]) -> None:
     if want > resources.get("GPU", 0.0):
         raise ConfigError(f"learner.num_workers x learner.gpus_per_worker (rounded up to whole GPUs for sft) = {want} "
                           f"GPUs, but the cluster has {resources.get('GPU', 0.0):g}")
-
-
-def run(cfg: Config) -> int:
-    """`rayrl sft` once rayrl.cli has loaded the config: the exit code (2: a bad row or a config error)."""
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `ray job stop`: unwind, stopping the actors
-    try:
-        sft(cfg)
-    except (ConfigError, RowError) as e:
-        kind = "config error" if isinstance(e, ConfigError) else "data error"
-        print(f"rayrl: {kind}: {e}", file=sys.stderr)  # noqa: T201 - the CLI's one-line error
-        return 2
-    except ConnectionError as e:
-        print(f"rayrl: {e}", file=sys.stderr)  # noqa: T201 - the CLI's one-line error
-        return 1
-    return 0
 
 
 if __name__ == "__main__":

@@ -20,15 +20,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from rayrl.chat import ApiError, normalize_messages
-from rayrl.data import _plain, _read_records, _short
+from rayrl.data import DataError, _plain, _read_records, _short
 from rayrl.sessions import Sessions
 from rayrl.types import Generation
 
 ROLES = ("system", "user", "assistant", "tool")
 
 
-class RowError(ValueError):
-    """A row that cannot be trained on; the message names the file and the row (one line)."""
+class RowError(DataError):
+    """An SFT row that cannot be trained on; the message names the file and the row (one line)."""
 
 
 @dataclass

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import random
-import signal
 import sys
 import time
 from collections import Counter
@@ -25,7 +24,7 @@ import ray
 
 from rayrl import checkpoint, cluster, colocate, trace, weight_sync
 from rayrl.batching import advantages, shard, trainable_groups
-from rayrl.config import Config, ConfigError, check_cluster
+from rayrl.config import Config, check_cluster
 from rayrl.data import DataIterator, load_rows
 from rayrl.metrics import StepLogger, dashboard, phase_shares, summarize, tool_metrics, val_generations, val_metrics
 from rayrl.models import resolve_model
@@ -37,12 +36,10 @@ def train(cfg: Config) -> dict:
     t = cfg.trainer
     model_path = resolve_model(cfg.model.path)
     d = cfg.data
-    try:  # before Ray: a bad row is a one-line error naming the file and row, and nothing has started
-        rows = load_rows(d.source, d.size, t.seed, d.gym_kwargs, d.system_prompt)
-        val_rows = [row for src in d.val_source or [] for row in load_rows(src, d.val_size, t.seed + 1, d.gym_kwargs,
-                                                                          d.system_prompt)]
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
+    # before Ray: a bad row is a one-line DataError naming the file and row, and nothing has started
+    rows = load_rows(d.source, d.size, t.seed, d.gym_kwargs, d.system_prompt)
+    val_rows = [row for src in d.val_source or [] for row in load_rows(src, d.val_size, t.seed + 1, d.gym_kwargs,
+                                                                      d.system_prompt)]
     data = DataIterator(rows, t.batch_size, t.seed, d.shuffle)
     cluster.connect(cfg)
     check_cluster(cfg, ray.cluster_resources())
@@ -273,21 +270,6 @@ def step_metrics(trajs: list[Trajectory], groups, dropped: int, learn: dict, t_r
             "groups/trained": len(groups), "groups/dropped": dropped,
             "policy/staleness_max": max((version - 1 - t.policy_version for t in trajs), default=0),
             "sandbox/latency_s": sum(sandbox) / len(sandbox) if sandbox else 0.0, **tool_metrics(trajs), **learn}
-
-
-def run(cfg: Config) -> int:
-    """`rayrl train` once rayrl.cli has loaded the config: the exit code (2: a config error found on the cluster)."""
-    # `ray job stop` sends SIGTERM: unwind like Ctrl-C, so `finally` stops the actors and writes the trace.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    try:
-        train(cfg)
-    except ConfigError as e:  # cluster-dependent checks (GPUs) fail after connecting
-        print(f"rayrl: config error: {e}", file=sys.stderr)  # noqa: T201 - the CLI's one-line error
-        return 2
-    except ConnectionError as e:
-        print(f"rayrl: {e}", file=sys.stderr)  # noqa: T201 - the CLI's one-line error
-        return 1
-    return 0
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ def test_bad_data_row_exits_2_before_ray_starts(tmp_path):
     p = subprocess.run([sys.executable, "-m", "rayrl", "train", f"data.source={rows}"], capture_output=True, text=True,
                        timeout=300, cwd=ROOT)
     assert p.returncode == 2 and "Ray instance" not in p.stderr, p.stderr
-    assert p.stderr.strip() == (f"rayrl: config error: {rows} row 1: reward_model must be a mapping with a "
+    assert p.stderr.strip() == (f"rayrl: data error: {rows} row 1: reward_model must be a mapping with a "
                                 "ground_truth, got {'style': 'rule'}")
 
 
