@@ -447,9 +447,14 @@ class Learner:
     # --- GPU memory (colocated with engines: rayrl.colocate) ------------------------------------------------------
 
     def offload(self) -> list[offload.Moved]:
-        """learner.param_offload: parameters and gradients (and the frozen reference) to CPU memory until the next
-        call that needs them; the optimizer state already lives there between steps with optimizer_offload."""
-        if not self.cfg.learner.param_offload or self.params_offloaded or not self.use_cuda:
+        """The GPU to the engines until the next call that needs it: the weight-sync memory they do not keep open, and
+        with learner.param_offload the parameters and gradients (and the frozen reference) to CPU memory; the
+        optimizer state already lives there between steps with optimizer_offload."""
+        if not self.use_cuda:
+            return []
+        for sender in self._senders.values():  # e.g. cuda_ipc's buffer, which sleeping engines closed after loading
+            sender.release()
+        if not self.cfg.learner.param_offload or self.params_offloaded:
             return []
         for sender in self._senders.values():  # drop their views of the GPU storage, or it stays allocated
             sender.params_replaced()

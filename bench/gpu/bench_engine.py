@@ -12,6 +12,9 @@ Parts (each appends one JSON line to DIR/bench.jsonl and prints a table line):
           `Engine.receive_weights`), each against a device-to-device copy of the same bytes;
           engine-vs-learner logprob agreement after each sync.
 - sync05: the same two syncs for a random-init Qwen2.5-0.5B-shaped model (untied lm_head).
+- syncseed --shape qwen3-4b:tied|qwen2.5-7b:-: cuda_ipc alone on a seed shape (bench_seed.model_dir), the buffer
+          kept open (engines awake) and per sync (sleeping engines: opened, loaded, closed, freed by the learner's
+          offload), each after an optimizer step (AdamW state offloaded, so the 7B shape fits beside the engine).
 - learner: the learner's training throughput / MFU on that model: padding-free packed rows (varlen flash
           attention, rayrl/attention.py), eager or with learner.compile at token budgets (--variants); profiles
           (GPU time by kernel kind, ops by input shape, a chrome trace).
@@ -183,6 +186,7 @@ async def ipc_sync(ln, eng, version: int) -> dict:
     await eng.receive_weights("cuda_ipc", handle, version)
     t2 = time.perf_counter()
     return {"copy_s": t1 - t0, "load_s": t2 - t1, "total_s": t2 - t0, "bytes": ln._senders["cuda_ipc"].buf.numel(),
+            "buffer_id": handle.buffer_id,
             "worker_load": eng._receivers["cuda_ipc"].loads}
 
 
@@ -421,6 +425,54 @@ async def part_sync05(args) -> None:
     ln.shutdown()
 
 
+async def part_syncseed(args) -> None:
+    """cuda_ipc on a seed shape: steady-state seconds with the buffer kept open, then with a buffer per sync (what a
+    job with engine.sleep_level uses), and the engine-vs-learner logprob gap after each mode's last sync."""
+    from bench_seed import model_dir
+
+    from rayrl.config import load_config
+    from rayrl.learner import Learner
+
+    shape, tie = args.shape.split(":")
+    path = model_dir(shape, tie)
+    cfg = load_config(None, [f"model.path={path}", "model.dtype=bfloat16", f"learner.lr={SYNC_LR}",
+                             "learner.optimizer_offload=true", "engine.gpus_per_engine=0.5",
+                             "learner.gpus_per_worker=0.5", "data.max_prompt_length=256",
+                             "rollout.max_response_length=768"], check_files=False)
+    ln = Learner(path, cfg)
+    nparams = ln.setup()
+    args.eager = True
+    eng, start_s = await _engine(path, args)
+    ps = prompts(path, 32)
+    gens = [g for g in await _gen_all(eng, ps, 32) if g.token_ids]
+    batch = _batch([g.prompt_ids for g in gens], [g.token_ids for g in gens],
+                   adv=[1.0 if i % 2 else -1.0 for i in range(len(gens))])
+    sender = ln._senders["cuda_ipc"]
+    out = {"model": f"{shape}:{tie}", "params": nparams, "engine_start_s": start_s}
+    for mode, keep_open in (("kept_open", True), ("per_sync", False)):
+        sender.keep_open = keep_open  # what engine.sleep_level sets at construction (0: kept open)
+        if not keep_open:
+            sender.release()
+        runs = []
+        for r in range(args.reps):
+            ln.train_step(batch)
+            run = await ipc_sync(ln, eng, 100 + r + (0 if keep_open else 50))
+            t0 = time.perf_counter()
+            ln.offload()  # per_sync: frees the buffer the engine closed (no parameter offload here)
+            run["release_s"] = time.perf_counter() - t0
+            run["allocated_gib_after"] = torch.cuda.memory_allocated() / 2**30
+            runs.append(run)
+        steady = sorted(x["total_s"] for x in runs[1:])
+        out[f"{mode}_runs"] = runs
+        out[f"{mode}_total_s_median"] = steady[len(steady) // 2]
+        out[f"{mode}_logprob"] = await logprob_agreement(eng, ln, ps[:16])
+    out["bytes"] = out["kept_open_runs"][0]["bytes"]
+    out["d2d_copy_s"] = d2d_seconds(out["bytes"])
+    emit("syncseed", **out)
+    await eng.shutdown()
+    ln.shutdown()
+
+
 def part_learner(args) -> None:
     """Learner throughput / MFU on the 0.5B shape: 64 sequences of 512-4096 tokens (prompt 256) in padding-free
     packed rows (varlen flash attention), eager or with learner.compile at the --variants' token budgets, each
@@ -518,7 +570,8 @@ def part_attn(args) -> None:
 def main() -> int:
     global OUT
     ap = argparse.ArgumentParser()
-    ap.add_argument("part", choices=["all", "ceil", "vllm", "engine", "sync05", "learner", "attn", "summary"])
+    ap.add_argument("part", choices=["all", "ceil", "vllm", "engine", "sync05", "syncseed", "learner", "attn",
+                                           "summary"])
     ap.add_argument("trace", nargs="?", help="summary: a chrome trace (.json or .json.gz) that profile_step wrote")
     ap.add_argument("--out", default=".")
     ap.add_argument("--max-tokens", type=int, default=256)
@@ -526,6 +579,8 @@ def main() -> int:
     ap.add_argument("--gpu-mem", type=float, default=0.3)
     ap.add_argument("--eager", action="store_true", help="enforce_eager (no CUDA graphs) for both vLLM and Engine")
     ap.add_argument("--no-sync", action="store_true")
+    ap.add_argument("--shape", default="qwen3-4b:tied", help="syncseed: SHAPE:TIE as in bench_seed.py")
+    ap.add_argument("--reps", type=int, default=5, help="syncseed: syncs per mode (the first is reported apart)")
     ap.add_argument("--variants", default="eager:32768,compile:32768:learner_profile.txt,compile:49152",
                     help="learner: eager|compile|compile-dynamic|compile-repeat:token budget[:profile file], "
                          "comma-separated")
@@ -562,7 +617,7 @@ def main() -> int:
         with (gzip.open if args.trace.endswith(".gz") else open)(args.trace, "rt") as f:
             print(trace_summary(json.load(f)["traceEvents"])[0])
     else:
-        asyncio.run({"engine": part_engine, "sync05": part_sync05}[args.part](args))
+        asyncio.run({"engine": part_engine, "sync05": part_sync05, "syncseed": part_syncseed}[args.part](args))
     return 0
 
 

@@ -41,6 +41,10 @@ class Sender(Protocol):
     def params_replaced(self) -> None:
         """The model's parameters may have new storage (a checkpoint load): drop anything that points into it."""
 
+    def release(self) -> None:
+        """Free the GPU memory held between syncs where the engines do not keep it (cuda_ipc beside sleeping
+        engines); called when the learner gives the GPU to the engines."""
+
     def close(self) -> None: ...
 
 

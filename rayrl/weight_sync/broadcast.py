@@ -106,6 +106,9 @@ class Sender:
     def params_replaced(self) -> None:
         pass  # reads the parameters afresh each sync
 
+    def release(self) -> None:
+        pass  # nothing held for the engines between syncs but one bucket
+
     def close(self) -> None:
         if self.pg is not None:
             from vllm.distributed.utils import stateless_destroy_torch_distributed_process_group

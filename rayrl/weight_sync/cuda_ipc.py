@@ -1,11 +1,15 @@
 """cuda_ipc: engine i shares a GPU with learner rank `serving_rank(i)` (colocated placement) and loads from that
 rank's flat GPU buffer.
 
-Each serving rank owns one persistent buffer; each sync copies the full parameters (every rank gathers them under
-FSDP anyway) into it. The vLLM worker opens the buffer's CUDA IPC handle once and keeps views of it, so a sync is:
-copy + synchronize on the learner, then one small collective_rpc that loads from the cached views. Both copies are
-fused once known: one rank copies its parameters with one `_foreach_copy_`, and the worker, after its first
-`load_weights`, replays it as one `_foreach_copy_` into the parameters (`direct_copies`).
+Each serving rank owns one buffer of the full parameters; each sync copies them (every rank gathers them under FSDP
+anyway) into it. The vLLM worker opens the buffer's CUDA IPC handle and keeps views of it, so a sync is: copy +
+synchronize on the learner, then one small collective_rpc that loads from the views. Both copies are fused once
+known: one rank copies its parameters with one `_foreach_copy_`, and the worker, after its first `load_weights`,
+replays it as one `_foreach_copy_` into the parameters (`direct_copies`, kept by tensor name).
+
+The buffer lives between syncs, opened once, unless the engines sleep (`engine.sleep_level`): then it exists only
+for the sync — the worker closes its mapping after loading and the learner frees it (`Sender.release`, called when
+the learner offloads), so the engine's KV cache can wake into the memory it took (a 4B model's buffer is 8 GB).
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ class IpcHandle:
     blob: bytes  # pickled torch.multiprocessing.reductions.reduce_tensor(buffer)
     slots: list[tuple]  # (name, shape, dtype, offset) per tensor
     device_uuid: str  # the GPU the buffer is on; the worker checks it is on the same one
+    keep_open: bool = True  # False (sleeping engines): the worker closes the buffer after loading; the learner frees it
 
 
 def serving_rank(engine: int, world_size: int) -> int:
@@ -68,6 +73,7 @@ class Sender:
         self.buf: torch.Tensor | None = None
         self.views: list[tuple[str, torch.Tensor]] = []
         self.handle: IpcHandle | None = None
+        self.keep_open = cfg.engine.sleep_level == 0  # sleeping engines: the buffer exists for the sync only
 
     def connect(self, model, setup) -> None:
         pass
@@ -85,7 +91,7 @@ class Sender:
             for _ in tensors:  # take part in each all-gather
                 pass
             return None
-        if self.buf is None:  # allocated once; the engines keep it open
+        if self.buf is None:  # allocated once (or once per sync, after `release`); the engines open it
             self._allocate(model)
         # A list (one rank's cached views) in one fused copy, an iterator (several ranks: all-gathers as it goes)
         # one tensor at a time.
@@ -104,10 +110,18 @@ class Sender:
         self.views = views(self.buf, bucket)
         self.handle = IpcHandle(uuid.uuid4().hex, pickle.dumps(reduce_tensor(self.buf)),
                                 [(s.name, list(s.shape), s.dtype, s.offset) for s in bucket],
-                                str(torch.cuda.get_device_properties(self.device).uuid))
+                                str(torch.cuda.get_device_properties(self.device).uuid), self.keep_open)
 
     def params_replaced(self) -> None:
         self.local = None  # rebuilt from the new storage at the next sync
+
+    def release(self) -> None:
+        """Free the buffer until the next sync (only when the engines do not keep it open: they closed it)."""
+        if self.buf is None or self.keep_open:
+            return
+        self.buf, self.views, self.handle = None, [], None
+        torch.cuda.ipc_collect()  # the block returns to the allocator once the engine's mapping is closed
+        torch.cuda.empty_cache()
 
     def close(self) -> None:
         pass
@@ -119,6 +133,7 @@ class Receiver:
     """The Engine: the handle and the layout cross to its workers once; later syncs send only the buffer's id."""
 
     def __init__(self):
+        self.connected = False  # the workers have a WorkerReceiver
         self.opened: str | None = None  # the learner buffer the workers hold open
         self.loads: list[str] = []  # how each worker loaded the last sync (`WorkerReceiver.receive`)
 
@@ -127,19 +142,29 @@ class Receiver:
 
     async def receive(self, backend, h: IpcHandle) -> None:
         llm = engine_llm(backend, NAME)
-        if self.opened != h.buffer_id:
-            await llm.collective_rpc("rayrl_connect", args=(NAME, h.buffer_id, h.blob, h.slots, h.device_uuid))
-            self.opened = h.buffer_id
-        self.loads = await llm.collective_rpc("rayrl_receive", args=(NAME, h.buffer_id))
+        where = (h.blob, h.slots, h.device_uuid)
+        if not self.connected:
+            await llm.collective_rpc("rayrl_connect", args=(NAME, h.buffer_id, *where))
+            self.connected, self.opened = True, h.buffer_id
+        new = None if self.opened == h.buffer_id else where  # a new buffer: the workers open it first
+        self.loads = await llm.collective_rpc("rayrl_receive", args=(NAME, h.buffer_id, new, not h.keep_open))
+        self.opened = h.buffer_id if h.keep_open else None
         await llm.reset_prefix_cache()  # cached KV was computed with the old weights
 
 
 # --- inside vLLM's worker process -----------------------------------------------------------------------
 
 class WorkerReceiver:
-    """The learner's buffer opened once; the views are kept for every later sync."""
+    """The learner's buffer opened (once, or once per sync when it is not kept open) and views of it."""
 
     def __init__(self, worker, buffer_id: str, blob: bytes, slots: list, device_uuid: str):
+        self.buffer_id: str | None = None
+        self.views: list[tuple[str, torch.Tensor]] = []
+        self.copies: tuple[list, list[str]] | None = None  # (destinations, source names), once direct_copies found it
+        self.checked = False  # direct_copies ran (once: if the layout has none, every sync keeps load_weights)
+        self._open(buffer_id, blob, slots, device_uuid)
+
+    def _open(self, buffer_id: str, blob: bytes, slots: list, device_uuid: str) -> None:
         fn, args = pickle.loads(blob)
         here = torch.cuda.current_device()
         if str(torch.cuda.get_device_properties(here).uuid) != device_uuid:
@@ -148,23 +173,31 @@ class WorkerReceiver:
         args = list(args)
         args[6] = here  # the learner's device index may differ from ours for the same GPU
         self.buffer_id = buffer_id
-        self.buf = fn(*args)
-        self.views = views(self.buf, [Slot(n, tuple(s), d, o) for n, s, d, o in slots])
-        self.copies: tuple[list, list] | None = None  # (destinations, sources), once direct_copies checked them
-        self.checked = False  # direct_copies ran (once: if the layout has none, every sync keeps load_weights)
+        self.views = views(fn(*args), [Slot(n, tuple(s), d, o) for n, s, d, o in slots])
 
-    def receive(self, worker, buffer_id: str) -> str:
-        """Load from the learner's buffer; returns how: "direct_copies" or "load_weights"."""
+    def receive(self, worker, buffer_id: str, new: tuple | None = None, close: bool = False) -> str:
+        """Load from the learner's buffer (opening it first when `new` carries a new one's blob, slots and device;
+        closing it after when `close`); returns how: "direct_copies" or "load_weights"."""
         if buffer_id != self.buffer_id:
-            raise RuntimeError(f"IPC buffer {buffer_id} was never opened in this worker")
-        if self.copies is not None:  # the views never move: the same copies load every later sync
-            torch._foreach_copy_(*self.copies)
+            if new is None:
+                raise RuntimeError(f"IPC buffer {buffer_id} was never opened in this worker")
+            self._open(buffer_id, *new)
+        if self.copies is not None:  # the same copies load every later sync, from whichever buffer holds the names
+            named = dict(self.views)
+            torch._foreach_copy_(self.copies[0], [named[n] for n in self.copies[1]])
             torch.cuda.synchronize()
-            return "direct_copies"
-        load(worker, [self.views])
-        if not self.checked:
-            self.copies, self.checked = direct_copies(worker.model_runner.get_model(), self.views), True
-        return "load_weights"
+            how = "direct_copies"
+        else:
+            load(worker, [self.views])
+            if not self.checked:
+                found, self.checked = direct_copies(worker.model_runner.get_model(), self.views), True
+                if found is not None:
+                    names = {id(t): n for n, t in self.views}
+                    self.copies = (found[0], [names[id(t)] for t in found[1]])
+            how = "load_weights"
+        if close:  # the last reference to the mapping: the learner can free the buffer
+            self.buffer_id, self.views = None, []
+        return how
 
 
 def direct_copies(model: torch.nn.Module, sources: list[tuple[str, torch.Tensor]]) -> tuple[list, list] | None:

@@ -87,6 +87,9 @@ class Sender:
     def params_replaced(self) -> None:
         pass  # nothing cached
 
+    def release(self) -> None:
+        pass  # nothing on the GPU
+
     def close(self) -> None:
         pass
 
