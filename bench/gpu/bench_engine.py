@@ -14,7 +14,7 @@ Parts (each appends one JSON line to DIR/bench.jsonl and prints a table line):
 - sync05: the same two syncs for a random-init Qwen2.5-0.5B-shaped model (untied lm_head).
 - syncseed --shape qwen3-4b:tied|qwen2.5-7b:-: cuda_ipc alone on a seed shape (bench_seed.model_dir), the buffer
           kept open (engines awake) and per sync (sleeping engines: opened, loaded, closed, freed by the learner's
-          offload), each after an optimizer step (AdamW state offloaded, so the 7B shape fits beside the engine).
+          offload), each after an optimizer step (--optimizer-offload: AdamW state in CPU memory between steps).
 - learner: the learner's training throughput / MFU on that model: padding-free packed rows (varlen flash
           attention, rayrl/attention.py), eager or with learner.compile at token budgets (--variants); profiles
           (GPU time by kernel kind, ops by input shape, a chrome trace).
@@ -436,7 +436,7 @@ async def part_syncseed(args) -> None:
     shape, tie = args.shape.split(":")
     path = model_dir(shape, tie)
     cfg = load_config(None, [f"model.path={path}", "model.dtype=bfloat16", f"learner.lr={SYNC_LR}",
-                             "learner.optimizer_offload=true", "engine.gpus_per_engine=0.5",
+                             f"learner.optimizer_offload={args.optimizer_offload}", "engine.gpus_per_engine=0.5",
                              "learner.gpus_per_worker=0.5", "data.max_prompt_length=256",
                              "rollout.max_response_length=768"], check_files=False)
     ln = Learner(path, cfg)
@@ -581,6 +581,7 @@ def main() -> int:
     ap.add_argument("--no-sync", action="store_true")
     ap.add_argument("--shape", default="qwen3-4b:tied", help="syncseed: SHAPE:TIE as in bench_seed.py")
     ap.add_argument("--reps", type=int, default=5, help="syncseed: syncs per mode (the first is reported apart)")
+    ap.add_argument("--optimizer-offload", action="store_true", help="syncseed: AdamW state in CPU memory")
     ap.add_argument("--variants", default="eager:32768,compile:32768:learner_profile.txt,compile:49152",
                     help="learner: eager|compile|compile-dynamic|compile-repeat:token budget[:profile file], "
                          "comma-separated")
