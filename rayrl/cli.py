@@ -30,6 +30,8 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("-o", "--out", required=True)
         p.add_argument("--model", default=None,
                        help="the base model (config + tokenizer); default: the one the checkpoint records")
+        p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                       help="the weights' dtype; default: the run's model.dtype, recorded in the checkpoint")
         a = p.parse_args(rest)
         from rayrl.export import export_hf
 

@@ -408,7 +408,8 @@ class Learner:
         full state dict is gathered collectively)."""
         self._resident()
         state = self._full_state()
-        return write_hf(state, self.model_path, out_dir, self.cfg.model.chat_template) if self.rank == 0 else None
+        return (write_hf(state, self.model_path, out_dir, self.cfg.model.chat_template, self.cfg.model.dtype)
+                if self.rank == 0 else None)
 
     # --- checkpoints -----------------------------------------------------------------------------
 

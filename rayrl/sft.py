@@ -141,7 +141,7 @@ def save(cfg: Config, learners: list, step: int, data_state: dict) -> str:
     return checkpoint.commit(tmp, step, {"step": step, "policy_version": step, "data": data_state,
                                          "python_rng": random.getstate(),
                                          "model_path": checkpoint.base_model(cfg.model.path),
-                                         "chat_template": cfg.model.chat_template})
+                                         "chat_template": cfg.model.chat_template, "dtype": cfg.model.dtype})
 
 
 def check_cluster(cfg: Config, resources: dict[str, float]) -> None:

@@ -214,7 +214,7 @@ def save(cfg: Config, actors, step: int, version: int, data_state: dict) -> str:
     return checkpoint.commit(tmp, step, {"step": step, "policy_version": version, "data": data_state,
                                          "python_rng": random.getstate(),
                                          "model_path": checkpoint.base_model(cfg.model.path),
-                                         "chat_template": cfg.model.chat_template})
+                                         "chat_template": cfg.model.chat_template, "dtype": cfg.model.dtype})
 
 
 def validate(cfg: Config, actors, rows: list, version: int, step: int, log: StepLogger, decode) -> dict[str, float]:

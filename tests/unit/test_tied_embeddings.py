@@ -240,3 +240,33 @@ def test_export_reads_the_base_model_from_the_checkpoint(learner, tied_model, tm
         json.dump({"step": 1}, f)
     with pytest.raises(ValueError, match="pass --model PATH"):
         export_hf(ckpt, str(tmp_path / "hf2"))
+
+
+def test_export_writes_the_run_dtype_or_the_one_asked(learner, tied_model, tmp_path):
+    """The export is in the run's model.dtype as the checkpoint records it (float32 master weights cast), or in
+    --dtype; config.json says which; transformers loads it with that dtype and the same values (to the cast)."""
+    import json
+
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from rayrl import checkpoint
+    from rayrl.export import export_hf
+
+    tmp = checkpoint.begin(str(tmp_path / "run"), 1)
+    learner.save(tmp)
+    ckpt = checkpoint.commit(tmp, 1, {"step": 1, "model_path": checkpoint.base_model(tied_model), "dtype": "bfloat16"})
+    for out, want, name, code in ((export_hf(ckpt, str(tmp_path / "run_dtype")), torch.bfloat16, "bfloat16", "BF16"),
+                                  (export_hf(ckpt, str(tmp_path / "asked"), dtype="float16"), torch.float16,
+                                   "float16", "F16")):
+        with safe_open(f"{out}/model.safetensors", "pt") as f:
+            assert {f.get_slice(k).get_dtype() for k in f.keys()} == {code}  # safetensors' dtype codes
+        with open(f"{out}/config.json") as f:
+            assert json.load(f)["dtype"] == name
+        model = AutoModelForCausalLM.from_pretrained(out, dtype="auto")
+        assert model.dtype == want
+        emb = dict(learner.model.state_dict())["model.embed_tokens.weight"]
+        emb = emb.full_tensor() if hasattr(emb, "full_tensor") else emb
+        assert torch.equal(model.model.embed_tokens.weight, emb.detach().to(want))
+    with pytest.raises(ValueError, match="dtype='int8'"):
+        export_hf(ckpt, str(tmp_path / "bad"), dtype="int8")
