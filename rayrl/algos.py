@@ -1,4 +1,5 @@
-"""GRPO advantages and the PPO-clip policy loss, delegated to verl's `trainer/ppo/core_algos`.
+"""GRPO advantages, the PPO-clip policy loss and the rollout (off-policy) correction, delegated to verl's
+`trainer/ppo/core_algos` and `trainer/ppo/rollout_corr_helper`.
 
 The math is verl's; these wrappers only translate our tensors and `AlgoConfig` into the
 arguments verl 0.9.1 wants, and its metric names into ours.
@@ -22,7 +23,7 @@ import torch
 from verl.trainer.ppo import core_algos
 from verl.workers.config import ActorConfig
 
-from rayrl.config import AlgoConfig
+from rayrl.config import AlgoConfig, RolloutCorrectionConfig
 
 
 def grpo_advantages(rewards: torch.Tensor, group_ids: list[str], response_mask: torch.Tensor,
@@ -50,10 +51,12 @@ def policy_loss(old_logprobs: torch.Tensor, logprobs: torch.Tensor, advantages: 
                 response_mask: torch.Tensor, cfg: AlgoConfig, ref_logprobs: torch.Tensor | None = None,
                 entropy: torch.Tensor | None = None, *, global_token_count: int | None = None,
                 global_seq_count: int | None = None, dp_size: int = 1,
-                loss_scale_factor: int | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+                loss_scale_factor: int | None = None, rollout_is_weights: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO-clip loss of one micro-batch ([B, T] tensors) and its metrics.
 
-    pg: `core_algos.compute_policy_loss_vanilla` (clip_ratio_low/high, dual clip clip_ratio_c),
+    pg: `core_algos.compute_policy_loss_vanilla` (clip_ratio_low/high, dual clip clip_ratio_c), each token's
+    term times `rollout_is_weights` when given (the truncated IS weights of `rollout_correction`),
     aggregated by `core_algos.agg_loss` in `cfg.loss_agg_mode`; + `cfg.kl_loss_coef` x
     `core_algos.kl_penalty(logprobs, ref_logprobs, cfg.kl_loss_type)` when `cfg.use_kl_loss`;
     - `cfg.entropy_coeff` x entropy when `entropy` (per-token, [B, T]) is given.
@@ -75,7 +78,7 @@ def policy_loss(old_logprobs: torch.Tensor, logprobs: torch.Tensor, advantages: 
                             loss_agg_mode=cfg.loss_agg_mode, global_batch_info=batch_info)
     pg_loss, pg_metrics = core_algos.compute_policy_loss_vanilla(
         old_log_prob=old_logprobs, log_prob=logprobs, advantages=advantages, response_mask=mask,
-        loss_agg_mode=cfg.loss_agg_mode, config=actor_cfg)
+        loss_agg_mode=cfg.loss_agg_mode, config=actor_cfg, rollout_is_weights=rollout_is_weights)
     metrics = {"pg_loss": pg_loss.item(), "pg_clipfrac": pg_metrics["actor/pg_clipfrac"],
                "pg_clipfrac_lower": pg_metrics["actor/pg_clipfrac_lower"], "ppo_kl": pg_metrics["actor/ppo_kl"]}
     loss = pg_loss
@@ -94,3 +97,39 @@ def policy_loss(old_logprobs: torch.Tensor, logprobs: torch.Tensor, advantages: 
         loss = loss - cfg.entropy_coeff * entropy_loss
         metrics["entropy"] = entropy_loss.item()
     return loss, metrics
+
+
+def rollout_correction(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, response_mask: torch.Tensor,
+                       cfg: RolloutCorrectionConfig) -> tuple[torch.Tensor | None, torch.Tensor, dict[str, float]]:
+    """The learner's (proximal) against the engines' (behaviour) log-probs of the sampled tokens ([B, T] tensors):
+    (IS weights or None, response mask, metrics), by verl's `compute_rollout_correction_and_rejection_mask`.
+
+    Weights: min(exp(old - rollout), cfg.rollout_is_threshold) per token, or per sequence from the summed log-ratio
+    (cfg.rollout_is; None when off). Mask: `response_mask` without the tokens / sequences cfg.rollout_rs rejects.
+    Metrics, all under rollout_corr/: verl's (kl, k3_kl, training_ppl, rollout_ppl, log_ppl_diff, chi2_token,
+    chi2_seq, rollout_is_* and rollout_rs_* of what is on); with rollout_is off, the rollout_is_* of token-level
+    weights at the threshold, as monitoring (not applied); and log_ratio_mean (old - rollout over the mask),
+    log_ratio_max (its largest absolute value), masked_fraction (of the mask's tokens rejected; 0 with rs off).
+    """
+    from verl.trainer.ppo import rollout_corr_helper as rc
+
+    mask = response_mask.to(torch.float32)
+    if not mask.any():
+        return None, mask, {}
+    rs_threshold = None
+    if cfg.rollout_rs is not None:  # verl's spec: "lower_upper" for the k1 (ratio) options, else the upper bound
+        low = cfg.rollout_rs_threshold_lower
+        rs_threshold = (f"{low if low is not None else 1 / cfg.rollout_rs_threshold}_{cfg.rollout_rs_threshold}"
+                        if cfg.rollout_rs.endswith("k1") else cfg.rollout_rs_threshold)
+    weights, new_mask, metrics = rc.compute_rollout_correction_and_rejection_mask(
+        old_log_prob=old_logprobs, rollout_log_prob=rollout_logprobs, response_mask=mask,
+        rollout_is=cfg.rollout_is, rollout_is_threshold=cfg.rollout_is_threshold,
+        rollout_rs=cfg.rollout_rs, rollout_rs_threshold=rs_threshold)
+    log_ratio = (old_logprobs - rollout_logprobs) * mask
+    if cfg.rollout_is is None:
+        _, is_metrics = rc.compute_rollout_correction_weights(log_ratio, mask, "token", cfg.rollout_is_threshold)
+        metrics.update({f"rollout_corr/{k}": v for k, v in is_metrics.items()})
+    metrics["rollout_corr/log_ratio_mean"] = float(log_ratio.sum() / mask.sum())
+    metrics["rollout_corr/log_ratio_max"] = float(log_ratio.abs().max())
+    metrics["rollout_corr/masked_fraction"] = float(1 - new_mask.sum() / mask.sum())
+    return None if weights is None else weights.batch["rollout_is_weights"], new_mask, metrics

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from rayrl.config import RolloutCorrectionConfig
 from rayrl.types import TrainBatch, Trajectory
 
 
@@ -64,15 +65,64 @@ def shard(groups: list[list[Trajectory]], advs: list[list[float]], world: int,
         idx = order[r::world]
         b = TrainBatch(prompt_ids=[flat[i].prompt_ids for i in idx], response_ids=[flat[i].response_ids for i in idx],
                        loss_mask=[flat[i].loss_mask for i in idx], advantages=[advs[i] for i in idx],
-                       global_tokens=tokens, global_seqs=len(flat))
+                       global_tokens=tokens, global_seqs=len(flat), rollout_logprobs=[flat[i].logprobs for i in idx])
         while len(b) < per_rank:  # pad with a masked copy of a real row
             j = order[-1]
             b.prompt_ids.append(flat[j].prompt_ids)
             b.response_ids.append(flat[j].response_ids)
             b.loss_mask.append([0] * len(flat[j].loss_mask))
             b.advantages.append([0.0] * len(flat[j].loss_mask))
+            b.rollout_logprobs.append([0.0] * len(flat[j].loss_mask))
         out.append(b)
     return out
+
+
+def rollout_correction(minibatches: list[list[TrainBatch]], olds: list[list[list[list[float]]]],
+                       cfg: RolloutCorrectionConfig, sequence_parallel: int = 1) -> dict[str, float]:
+    """Each mini-batch's shards (one per rank, as `shard` made them) and the learner's log-probs of their rows before
+    the update (per rank, per row) -> the step's rollout_corr/ metrics against the engines' log-probs
+    (rayrl.algos.rollout_correction, over every trained token of the step). With `cfg.enabled`, the shards are
+    changed in place: `is_weights` set (rollout_is), rejected tokens out of `loss_mask` and the mini-batch's global
+    counts recounted (rollout_rs), as verl applies them to the whole batch before the update."""
+    import torch
+
+    from rayrl.algos import rollout_correction as correct  # imports verl: only where it is used
+
+    # (mini-batch, shard, row) of every row with a trained token; ranks of a sequence-parallel group share a shard
+    rows = [(m, b, j, old[j]) for m, (shards, rank_olds) in enumerate(zip(minibatches, olds, strict=True))
+            for b, old in zip(shards[::sequence_parallel], rank_olds[::sequence_parallel], strict=True)
+            for j in range(len(b)) if any(b.loss_mask[j])]
+    if not rows:
+        return {}
+    width = max(len(b.response_ids[j]) for _, b, j, _ in rows)
+
+    def padded(values) -> torch.Tensor:
+        out = torch.zeros(len(rows), width, dtype=torch.float32)
+        for n, v in enumerate(values):
+            out[n, : len(v)] = torch.tensor(v, dtype=torch.float32)
+        return out
+
+    weights, mask, metrics = correct(padded(old for *_, old in rows),
+                                     padded(b.rollout_logprobs[j] for _, b, j, _ in rows),
+                                     padded(b.loss_mask[j] for _, b, j, _ in rows), cfg)
+    if not cfg.enabled:
+        return metrics
+    for n, (_, b, j, _) in enumerate(rows):
+        length = len(b.response_ids[j])
+        if weights is not None:
+            if b.is_weights is None:  # rows without a trained token keep weight 0
+                b.is_weights = [[0.0] * len(r) for r in b.response_ids]
+            b.is_weights[j] = weights[n, :length].tolist()
+        b.loss_mask[j] = [int(x) for x in mask[n, :length].tolist()]
+    if cfg.rollout_rs is None:
+        return metrics
+    for shards in minibatches:  # rejection removed tokens (and maybe whole sequences): recount what the loss divides by
+        unique = shards[::sequence_parallel]
+        tokens = sum(sum(m) for b in unique for m in b.loss_mask)
+        seqs = sum(1 for b in unique for m in b.loss_mask if any(m))
+        for b in shards:
+            b.global_tokens, b.global_seqs = tokens, seqs
+    return metrics
 
 
 def token_budget_bins(lengths: list[int], budget: int, min_bins: int = 0) -> list[list[int]]:

@@ -1,10 +1,10 @@
-"""Atomic checkpoints: write into a temp dir, rename it to `step_<k>`, then mark it COMPLETE.
+"""Atomic checkpoints: write everything into a temp dir, COMPLETE last, fsync it all, then rename it to `step_<k>`.
 
-A kill at any point leaves the previous complete checkpoint usable: a dir without COMPLETE is never
-loaded (and is cleaned up by the next save). Layout of `<output_dir>/checkpoints/step_<k>/`:
-`learner/` (model + optimizer shards, torch.distributed.checkpoint), `rng_rank<r>.pt`,
-`trainer_state.json` (step, policy version, data position, driver RNG, the model the run started from),
-`COMPLETE`.
+A kill at any point leaves the previous complete checkpoint usable: `step_<k>` appears whole or not at all (a dir
+without COMPLETE, of an older rayrl, is never loaded), and the temp dir of a killed save is removed by the next save.
+Layout of `<output_dir>/checkpoints/step_<k>/`: `learner/` (model + optimizer shards, torch.distributed.checkpoint),
+`rng_rank<r>.pt`, `trainer_state.json` (step, policy version, data position, driver RNG, the model the run started
+from), `COMPLETE`.
 """
 
 from __future__ import annotations
@@ -45,20 +45,37 @@ def begin(output_dir: str, step: int) -> str:
 
 
 def commit(tmp: str, step: int, state: dict[str, Any], keep: int = 2) -> str:
-    """Write the trainer state, rename tmp -> step_<k>, mark it complete, prune old checkpoints."""
+    """Write the trainer state and COMPLETE into tmp, fsync, rename tmp -> step_<k>, prune old checkpoints."""
     with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
         json.dump(state, f)
-    final = os.path.join(os.path.dirname(tmp), f"step_{step}")
-    if os.path.exists(final):  # an incomplete leftover of the same step
+    with open(os.path.join(tmp, MARKER), "w") as f:
+        f.write(str(step))
+    _fsync_tree(tmp)  # on disk before the rename makes it the latest (a power loss must not leave it half-written)
+    base = os.path.dirname(tmp)
+    final = os.path.join(base, f"step_{step}")
+    if os.path.exists(final):  # the same step saved before (a run resumed from an older checkpoint)
         shutil.rmtree(final)
     os.rename(tmp, final)
-    with open(os.path.join(final, MARKER), "w") as f:
-        f.write(str(step))
-    base = os.path.dirname(final)
+    _fsync(base)
     done = sorted(int(d[5:]) for d in os.listdir(base) if d.startswith("step_") and d[5:].isdigit())
     for old in done[:-keep] if keep > 0 else []:
         shutil.rmtree(os.path.join(base, f"step_{old}"), ignore_errors=True)
     return final
+
+
+def _fsync_tree(top: str) -> None:
+    for d, _, files in os.walk(top, topdown=False):
+        for name in files:
+            _fsync(os.path.join(d, name))
+        _fsync(d)
+
+
+def _fsync(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def base_model(path: str) -> str:

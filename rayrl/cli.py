@@ -11,15 +11,18 @@ from rayrl.config import ConfigError, check_sft, load_config
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: rayrl train [JOB.yaml] [section.key=value ...]\n"
-              "       rayrl sft JOB.yaml [section.key=value ...]   (supervised fine-tuning on sft.train_file)\n"
+        print("usage: rayrl train [JOB.yaml] [section.key=value ...] [--verbose]\n"
+              "       rayrl sft JOB.yaml [section.key=value ...] [--verbose]   (supervised fine-tuning)\n"
               "       rayrl trace dump [RUN_DIR | JOB.yaml] [--steps FIRST LAST] -o trace.json\n"
-              "       rayrl export-hf CHECKPOINT_DIR -o OUT_DIR [--model PATH]\n"
+              "       rayrl export-hf CHECKPOINT_DIR -o OUT_DIR [--model PATH] [--dtype DTYPE]\n"
               "       rayrl serve MODEL_DIR [--port 8000] [--served-model-name NAME] [-- vllm serve args]\n"
               "       rayrl make-model SHAPE OUT_DIR [--dtype bfloat16] [--untied]   (random-init seed shapes)\n\n"
-              "`rayrl train` with no arguments runs the embedded default job (SmolLM2-135M, GRPO, arithmetic, CPU).")
+              "`rayrl train` with no arguments runs the embedded default job (SmolLM2-135M, GRPO, arithmetic, CPU).\n"
+              "Actors' and engines' own output goes to OUTPUT_DIR/logs/; --verbose (trainer.verbose=true) shows it.")
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
+    if cmd in ("train", "sft") and "--verbose" in rest:  # every actor's output on the console too
+        rest = [a for a in rest if a != "--verbose"] + ["trainer.verbose=true"]
     if cmd == "train":
         return train_main(rest)
     if cmd == "sft":
@@ -35,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
         a = p.parse_args(rest)
         from rayrl.export import export_hf
 
-        print(export_hf(a.checkpoint, a.out, a.model))
+        print(export_hf(a.checkpoint, a.out, a.model, a.dtype))
         return 0
     if cmd == "trace":
         return trace_main(rest)
@@ -78,16 +81,23 @@ def sft_main(argv: list[str]) -> int:
 
 
 def run_driver(driver, cfg) -> int:
-    """Run `rayrl train`'s or `rayrl sft`'s driver; the exit code. `ray job stop` sends SIGTERM: it unwinds like
-    Ctrl-C, so the driver's `finally` stops the actors. Errors found after the CLI's config check (a bad data row, a
-    cluster without the GPUs, no cluster at the address) are one line: exit 2 (config, data) or 1 (connection)."""
-    import signal
-
+    """Run `rayrl train`'s or `rayrl sft`'s driver; the exit code. SIGTERM (`ray job stop`) and Ctrl-C unwind the
+    driver (rayrl.stop), whose `finally` stops the actors and writes the trace: one line, exit 143 / 130. Errors found
+    after the CLI's config check (a bad data row, a cluster without the GPUs, no cluster at the address) are one line:
+    exit 2 (config, data) or 1 (connection)."""
+    from rayrl.checkpoint import latest
     from rayrl.data import DataError
+    from rayrl.stop import Stopped
 
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     try:
         driver(cfg)
+    except Stopped as e:
+        print(f"rayrl: stopped by {e.name} at step {e.step or 0} (last checkpoint: "
+              f"{latest(cfg.trainer.output_dir) or 'none'})", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:  # Ctrl-C before Ray started (no actor yet); after, it is a Stopped
+        print("rayrl: stopped by SIGINT before the run started", file=sys.stderr)
+        return 130
     except (ConfigError, DataError) as e:
         print(f"rayrl: {'config' if isinstance(e, ConfigError) else 'data'} error: {e}", file=sys.stderr)
         return 2

@@ -21,7 +21,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
-from rayrl import weight_sync
+from rayrl import logs, recovery, stop, weight_sync
 from rayrl.actors.engine import EngineActor
 from rayrl.actors.gateway import GatewayActor
 from rayrl.actors.learner import LearnerActor
@@ -33,7 +33,8 @@ from rayrl.config import Config
 
 
 def connect(cfg: Config) -> None:
-    """Join the cluster `ray job submit` runs us in (RAY_ADDRESS), the one named in the config, or start a local one."""
+    """Join the cluster `ray job submit` runs us in (RAY_ADDRESS), the one named in the config, or start a local one;
+    then SIGTERM and SIGINT raise `rayrl.stop.Stopped`."""
     if ray.is_initialized():
         return
     address = cfg.trainer.ray_address or os.environ.get("RAY_ADDRESS")
@@ -51,8 +52,9 @@ def connect(cfg: Config) -> None:
         ray._raylet.Config.initialize("")  # re-read by this process (Ray caches its config at import)
     namespace = f"rayrl-{cfg.trainer.experiment_name}-{uuid.uuid4().hex[:6]}"
     ray.init(address=address, num_cpus=num_cpus, namespace=namespace,
-             include_dashboard=None if address else False, log_to_driver=True,
-             runtime_env={"env_vars": {"RAY_DEDUP_LOGS": "1"}} if not address else None)
+             include_dashboard=None if address else False, log_to_driver=cfg.trainer.verbose,
+             runtime_env=logs.runtime_env(cfg.trainer.output_dir, cfg.trainer.verbose, local=not address))
+    stop.install()  # after ray.init, which replaces SIGTERM's handler: a stop now unwinds the driver (rayrl.stop)
 
 
 def _reachable(address: str) -> bool:
@@ -80,6 +82,8 @@ class Actors:
     groups: dict = field(default_factory=dict)  # role -> its placement group
     gateway: object = None  # the OpenAI-compatible HTTP front of the engines; records every call per session
     weight_sync: str = "object_store"  # engine.weight_sync resolved at start: object_store | cuda_ipc | broadcast
+    gateway_port: int | None = None  # the port it listens on: a restarted Gateway listens there again
+    watch: object = None  # rayrl.recovery.Watch over the actors Ray restarts (queue, reward, engines, Gateway...)
 
 
 # NVLink multicast off in NCCL, PyTorch and NVSHMEM: on shared multi-GPU hosts a program that uses it can put
@@ -149,15 +153,24 @@ def _in(groups: dict, role: str, i: int) -> dict:
     return {"scheduling_strategy": PlacementGroupSchedulingStrategy(groups[role], placement_group_bundle_index=i)}
 
 
+# Ray restarts the actor for as long as the run lives; one that does not come back within trainer.recover_timeout
+# stops the run (rayrl.recovery.RoleLost).
+_RESTART = {"max_restarts": -1}
+
+
 def start(cfg: Config, model_path: str) -> Actors:
     groups = reserve(cfg)
-    queue = TaskQueueActor.options(name="rayrl/queue", num_cpus=0, **_env()).remote(
+    # Ray restarts these when they die (the driver finishes the job: rayrl.recovery); a call in flight on the
+    # stateless reward and sandboxes is retried on the successor. A call in flight on the queue fails: its callers
+    # carry on, the driver refills the successor from its ledger.
+    queue = TaskQueueActor.options(name="rayrl/queue", num_cpus=0, **_env(), **_RESTART).remote(
         lease_timeout=cfg.rollout.lease_timeout)
-    reward = RewardActor.options(name="rayrl/reward/0", num_cpus=0.5, **_in(groups, "reward", 0), **_env(),
+    reward = RewardActor.options(name="rayrl/reward/0", num_cpus=0.5, **_in(groups, "reward", 0), **_env(), **_RESTART,
+                                 max_task_retries=2,
                                  resources=cfg.placement.reward_resources).remote(
         cfg.reward.fn, cfg.reward.timeout, cfg.reward.num_procs)
     e = cfg.engine
-    engines = [EngineActor.options(name=f"rayrl/engine/{i}", num_cpus=1, num_gpus=e.gpus_per_engine,
+    engines = [EngineActor.options(name=f"rayrl/engine/{i}", num_cpus=1, num_gpus=e.gpus_per_engine, **_RESTART,
                                    max_concurrency=1000, resources=cfg.placement.engine_resources,
                                    **_in(groups, "engine", i), **_env(all_cores=e.gpus_per_engine == 0))
                .remote(model_path, e, cfg.model.dtype, cfg.trainer.seed + i, f"engine/{i}")
@@ -165,6 +178,7 @@ def start(cfg: Config, model_path: str) -> Actors:
     learners = _learners(cfg, model_path, groups, cfg.learner.gpus_per_worker)
     sb = cfg.sandbox
     sandboxes = [SandboxActor.options(name=f"rayrl/sandbox/{i}", num_cpus=sb.cpus_per_actor, max_concurrency=1000,
+                                      **_RESTART, max_task_retries=1,
                                       resources=cfg.placement.sandbox_resources, **_in(groups, "sandbox", i), **_env())
                  .remote(sb) for i in range(sb.num_actors)]
     actors = Actors(queue=queue, reward=reward, engines=engines, learners=learners, sandboxes=sandboxes, groups=groups)
@@ -183,8 +197,14 @@ def start(cfg: Config, model_path: str) -> Actors:
         # The Gateway runs on the driver's node (the head under `ray job submit`): its URL is what agent services use.
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         actors.gateway = GatewayActor.options(name="rayrl/gateway", num_cpus=0, max_concurrency=10000, **_env(),
-                                              scheduling_strategy=here).remote(cfg, model_path, engines)
-        ray.get(actors.gateway.start.remote(), timeout=120)
+                                              **_RESTART, scheduling_strategy=here).remote(cfg, model_path, engines)
+        url = ray.get(actors.gateway.start.remote(), timeout=120)
+        actors.gateway_port = int(url.rpartition(":")[2]) if cfg.gateway.enabled else None
+        actors.watch = recovery.Watch({"queue": queue, "gateway": actors.gateway, "reward": reward,
+                                       **{f"engine/{i}": eng for i, eng in enumerate(engines)},
+                                       **{f"sandbox/{i}": sbx for i, sbx in enumerate(sandboxes)}},
+                                      cfg.trainer.recover_timeout)
+        actors.watch.poll(wait=60)  # every pid, so that a later one differing is a restart
         for i in range(cfg.rollout.num_workers):
             actors.generation.append(0)
             actors.workers.append(None)
@@ -242,7 +262,10 @@ def restart_dead_workers(actors: Actors, cfg: Config) -> list[str]:
     for i, ref in enumerate(actors.runs):
         if ref in done:
             wid = f"rollout/{i}.{actors.generation[i]}"
-            ray.get(actors.queue.release_worker.remote(wid), timeout=30)
+            try:
+                ray.get(actors.queue.release_worker.remote(wid), timeout=60)
+            except ray.exceptions.RayActorError:
+                pass  # the queue died too: its successor holds no lease of the dead worker
             actors.generation[i] += 1
             start_worker(actors, cfg, i)
             dead.append(wid)

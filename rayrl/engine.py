@@ -10,15 +10,14 @@ from __future__ import annotations
 import asyncio
 import functools
 import os
-import shutil
-import tempfile
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from rayrl import weight_sync
 from rayrl.config import EngineConfig
 from rayrl.types import Generation
+from rayrl.weight_sync.shm import ShmDir
 
 
 @dataclass
@@ -42,6 +41,13 @@ class Engine:
         self._awake = asyncio.Event()  # cleared while asleep (engine.sleep_level): new requests wait for the wake
         self._awake.set()
         self.asleep_tags: set[str] = set()  # what sleep() freed and no wake_up() has restored yet
+        # Weight updates while requests run (engine.partial_rollout): `_open` is cleared during an update; `_running`
+        # maps each request to the backend request now running it; `_preempted` holds those an update stopped.
+        self._open = asyncio.Event()
+        self._open.set()
+        self._running: dict[str, str] = {}
+        self._preempted: set[str] = set()
+        self.preemptions = 0  # requests an update stopped and continued (partial rollouts)
         # weights in: one receiver per strategy (rayrl/weight_sync/), the driver picks which
         self._receivers: dict[str, weight_sync.Receiver] = {
             name: strategy.Receiver() for name, strategy in weight_sync.STRATEGIES.items()}
@@ -53,20 +59,39 @@ class Engine:
     async def generate(self, prompt_ids: list[int], sampling: Sampling, request_id: str | None = None) -> Generation:
         self.inflight += 1
         try:
-            ids, lps, finish, version = await asyncio.wait_for(
-                self._generate(prompt_ids, sampling, request_id or uuid.uuid4().hex), self.cfg.request_timeout)
+            ids, lps, finish, versions = await asyncio.wait_for(
+                self._generate(list(prompt_ids), sampling, request_id or uuid.uuid4().hex), self.cfg.request_timeout)
         except asyncio.TimeoutError:
             raise TimeoutError(f"{self.name}: generate timed out after {self.cfg.request_timeout}s") from None
         finally:
             self.inflight -= 1
         self.tokens_out += len(ids)
         return Generation(prompt_ids=list(prompt_ids), token_ids=ids, logprobs=lps, finish_reason=finish,
-                          policy_version=version)
+                          policy_version=versions[0] if versions else self.version, versions=versions)
 
     async def _generate(self, prompt_ids: list[int], sampling: Sampling, request_id: str):
-        await self._awake.wait()  # asleep: the request waits for the wake instead of failing
-        version = self.version
-        return *(await self._backend.generate(prompt_ids, sampling, request_id)), version
+        """Sample; when a weight update stops the request (partial rollout), continue after it from the tokens
+        sampled so far, each token tagged with the version that produced it."""
+        ids: list[int] = []
+        lps: list[float] = []
+        versions: list[int] = []
+        part = 0
+        while True:
+            await self._awake.wait()  # asleep: the request waits for the wake instead of failing
+            await self._open.wait()  # a weight update is under way
+            version, sub = self.version, request_id if part == 0 else f"{request_id}+{part}"
+            self._running[request_id] = sub
+            try:
+                out, out_lps, finish = await self._backend.generate(
+                    prompt_ids + ids, replace(sampling, max_tokens=sampling.max_tokens - len(ids)), sub)
+            finally:
+                self._running.pop(request_id, None)
+            ids, lps, versions = ids + out, lps + out_lps, versions + [version] * len(out)
+            preempted = sub in self._preempted
+            self._preempted.discard(sub)
+            if not (preempted and finish == "abort") or len(ids) >= sampling.max_tokens:
+                return ids, lps, finish, versions
+            part += 1
 
     # --- GPU memory (engine.sleep_level; rayrl.colocate takes turns with the learner) ---
 
@@ -108,7 +133,29 @@ class Engine:
     async def receive_weights(self, strategy: str, payload, version: int) -> float:
         """Load one sync's weights: `payload` is what the learner's sender returned (object_store: the packet,
         cuda_ipc: its buffer's handle, broadcast: None, the buckets arrive meanwhile). Returns the seconds."""
-        return await self._sync(self._receivers[strategy].receive(self._backend, payload), version, f"{strategy} load")
+        t0 = time.perf_counter()
+        self._open.clear()  # requests wait for the update from here
+        try:
+            await self._quiesce()
+            await self._sync(self._receivers[strategy].receive(self._backend, payload), version, f"{strategy} load")
+        finally:
+            self._open.set()
+        return time.perf_counter() - t0
+
+    async def _quiesce(self) -> None:
+        """No request runs on the backend: with engine.partial_rollout each running one stops at a token boundary
+        (it continues after the update); without, they run to their end. Bounded by engine.sync_timeout."""
+        if self.cfg.partial_rollout and self._running:
+            subs = list(self._running.values())
+            self._preempted.update(subs)
+            self.preemptions += len(subs)
+            await self._backend.preempt(subs)
+        deadline = time.monotonic() + self.cfg.sync_timeout
+        while self._running:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.name}: {len(self._running)} requests still running after "
+                                   f"engine.sync_timeout={self.cfg.sync_timeout:g}s; weights not updated")
+            await asyncio.sleep(0.005)
 
     def weight_workers(self) -> int:
         """Processes that hold a copy of the model (vLLM's workers; hf: this one): each is one rank of the
@@ -133,10 +180,11 @@ class Engine:
     async def abort(self, request_id: str) -> None:
         """Stop a request (its client went away); its generate() returns what was sampled so far."""
         if self._backend is not None:
-            await self._backend.abort(request_id)
+            await self._backend.abort(self._running.get(request_id, request_id))
 
     def stats(self) -> dict[str, float]:
         return {"inflight": self.inflight, "tokens_out": self.tokens_out, "version": self.version,
+                "preemptions": self.preemptions,
                 "backend_unfinished": self._backend.unfinished() if self._backend is not None else 0}
 
     async def shutdown(self) -> None:
@@ -150,8 +198,7 @@ class _VLLM:
         self.eng = eng
         # Reload through a safetensors file in RAM: on CPU, 0.9 s for SmolLM2 against 4-12 s when tensors are
         # serialised through collective_rpc (CPU.md); the engine core runs in its own process.
-        self.shm = tempfile.mkdtemp(prefix=f"rayrl-{os.getpid()}-",
-                                    dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+        self.shm = ShmDir()  # removed on every exit path, or by the next engine on the node (weight_sync.shm)
 
     async def start(self) -> None:
         cfg = self.eng.cfg
@@ -196,6 +243,13 @@ class _VLLM:
     async def abort(self, request_id: str) -> None:
         await self.llm.abort(request_id)
 
+    async def preempt(self, request_ids: list[str]) -> None:
+        """Stop every running request for a weight update, each returning the tokens sampled so far (vLLM's
+        pause_generation for RL: an engine-side abort, which, unlike a client's abort, still delivers the final
+        output), then let new requests run again (they wait on the Engine until the update ends)."""
+        await self.llm.pause_generation(mode="abort", clear_cache=True)
+        await self.llm.resume_generation()
+
     async def sleep(self, level: int) -> None:
         await self.llm.reset_prefix_cache()  # the cached KV is freed (and computed with the old weights)
         await self.llm.sleep(level)
@@ -210,18 +264,18 @@ class _VLLM:
     async def load(self, state) -> None:
         from safetensors.torch import save_file
 
-        path = os.path.join(self.shm, "model.safetensors")
+        path = os.path.join(self.shm.path, "model.safetensors")
         await asyncio.to_thread(save_file, state, path)
         try:
             # vLLM's reload_weights, then the CPU build's tied lm_head packed anew (weight_sync.worker.retie)
-            await self.llm.collective_rpc("rayrl_reload", args=(self.shm,))
+            await self.llm.collective_rpc("rayrl_reload", args=(self.shm.path,))
             await self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
         finally:
             os.remove(path)
 
     def shutdown(self) -> None:
         self.llm.shutdown()
-        shutil.rmtree(self.shm, ignore_errors=True)
+        self.shm.remove()
 
 
 @functools.cache
@@ -288,6 +342,9 @@ class _HF:
 
     async def abort(self, request_id: str) -> None:
         pass  # one request at a time in a thread: it runs to its end (max_tokens bounds it)
+
+    async def preempt(self, request_ids: list[str]) -> None:
+        pass  # likewise: a weight update waits for the running request
 
     async def sleep(self, level: int) -> None:
         """The weights to CPU memory (level 1 and 2 alike: transformers has no KV cache between requests)."""

@@ -60,7 +60,8 @@ class Gateway:
         self.aliases = {self.model_name, model_path, model_path.rstrip("/").split("/")[-1]}
         self.max_model_len = cfg.engine.max_model_len
         self.timeout = g.request_timeout
-        self.sessions = Sessions(self.tok, self.max_model_len)
+        r = cfg.rollout  # a dead worker's sessions expire (rollout.session_ttl)
+        self.sessions = Sessions(self.tok, self.max_model_len, r.session_ttl or 2 * r.agent_timeout)
         self.load = [0] * len(engines)  # requests in flight per engine
         self.counts: dict[str, int] = {"requests": 0, "unbound_requests": 0, "recorded_turns": 0, "parse_errors": 0,
                                        "aborted": 0, "errors_4xx": 0, "errors_5xx": 0, "tokens_out": 0}
@@ -91,7 +92,8 @@ class Gateway:
         return self.sessions.close(session_id)
 
     def stats(self) -> dict[str, Any]:
-        return {**self.counts, "open_sessions": len(self.sessions), "inflight": list(self.load)}
+        return {**self.counts, "open_sessions": len(self.sessions), "expired_sessions": self.sessions.expired,
+                "inflight": list(self.load)}
 
     def count_error(self, e: ApiError) -> None:
         self.counts["errors_4xx" if e.status < 500 else "errors_5xx"] += 1
@@ -261,8 +263,9 @@ class Gateway:
                                             "root": self.model_path, "max_model_len": self.max_model_len}]}
 
     # HTTP -------------------------------------------------------------------------------------
-    async def start(self) -> str:
-        """Listen on gateway.host:port (0 = any free port); returns the base URL (`http://host:port`)."""
+    async def start(self, port: int | None = None) -> str:
+        """Listen on gateway.host:port (0 = any free port), or on `port` (a restarted Gateway: the port it had, so that
+        its URL stays); returns the base URL (`http://host:port`)."""
         import uvicorn
 
         g = self.cfg.gateway
@@ -271,11 +274,12 @@ class Gateway:
             return self.base_url
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        port = g.port if port is None else port
         try:
-            sock.bind((g.host, g.port))
+            sock.bind((g.host, port))
         except OSError as e:
             sock.close()
-            raise RuntimeError(f"the Gateway cannot listen on gateway.host={g.host!r} gateway.port={g.port}: {e} "
+            raise RuntimeError(f"the Gateway cannot listen on gateway.host={g.host!r} gateway.port={port}: {e} "
                                "(gateway.port=0 takes any free port)") from None
         sock.listen(2048)
         sock.setblocking(False)

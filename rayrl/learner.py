@@ -261,8 +261,10 @@ class Learner:
 
         `old_logprobs=None` means on-policy (one mini-batch, one epoch, staleness 0): the behaviour policy
         is the current one, so old = current.detach() and the ratio is exactly 1 — the recompute would be
-        a second identical forward pass. The entropy is computed every step (logged); it enters the loss as
-        verl's bonus, - algo.entropy_coeff x entropy aggregated by loss_agg_mode, when the coefficient is not 0.
+        a second identical forward pass; those log-probs come back in StepStats.logprobs (the driver's
+        engine-vs-learner mismatch metrics). `batch.is_weights` (algo.rollout_correction) weighs each token's loss.
+        The entropy is computed every step (logged); it enters the loss as verl's bonus,
+        - algo.entropy_coeff x entropy aggregated by loss_agg_mode, when the coefficient is not 0.
         """
         t0, start_wall = time.perf_counter(), time.time()
         moves = self._resident()
@@ -276,11 +278,16 @@ class Learner:
             events.append({"name": name, "start": s, "end": e, "rank": self.rank, "args": args})
 
         micro_batches = self._micro_batches(batch)
+        current: list[tuple[list[int], torch.Tensor]] = []  # on-policy: (rows, their log-probs) for StepStats.logprobs
         for k, idx in enumerate(micro_batches):
             self._accumulate_locally(k < len(micro_batches) - 1)
             f0 = self._mark()
             lp, mask, adv, ent = self._logprobs(batch, idx, entropy=True)
             old = lp.detach() if old_logprobs is None else self._padded([old_logprobs[i] for i in idx], lp.shape[1])
+            if old_logprobs is None:
+                current.append((idx, old))
+            is_weights = None if batch.is_weights is None else self._padded([batch.is_weights[i] for i in idx],
+                                                                            lp.shape[1])
             # Normalised by mini-batch-wide counts, so summing micro-batches and averaging ranks (FSDP) gives
             # exactly the mini-batch loss (see rayrl.algos).
             ref = None
@@ -293,7 +300,8 @@ class Learner:
                                               global_token_count=batch.global_tokens,
                                               global_seq_count=batch.global_seqs,
                                               dp_size=self.world_size // self.sp_size,  # data-parallel groups
-                                              loss_scale_factor=self.cfg.rollout.max_response_length)
+                                              loss_scale_factor=self.cfg.rollout.max_response_length,
+                                              rollout_is_weights=is_weights)
             f1 = self._mark()
             loss.backward()
             b1 = self._mark()
@@ -323,10 +331,17 @@ class Learner:
             key = f"offload/{m.what}_to_{m.device.split(':')[0]}_s"
             out[key] = out.get(key, 0.0) + m.seconds
         main = ("loss", "pg_clipfrac", "ppo_kl", "entropy")
+        logprobs = None
+        if old_logprobs is None:  # read after the step: no wait for the GPU between micro-batches
+            logprobs = [[] for _ in range(len(batch))]
+            for idx, lp in current:
+                rows = lp.cpu().tolist()
+                for j, i in enumerate(idx):
+                    logprobs[i] = rows[j][: len(batch.response_ids[i])]
         return StepStats(loss=out.get("loss", 0.0), pg_clipfrac=out.get("pg_clipfrac", 0.0),
                          ppo_kl=out.get("ppo_kl", 0.0), entropy=out.get("entropy", 0.0), grad_norm=grad_norm,
                          num_tokens=int(sum(sum(m) for m in batch.loss_mask)), seconds=time.perf_counter() - t0,
-                         extra={k: v for k, v in out.items() if k not in main}, events=events)
+                         extra={k: v for k, v in out.items() if k not in main}, events=events, logprobs=logprobs)
 
     def _optimizer_step(self, moves: list) -> float:
         """Clip the accumulated gradients, step (skipped when their norm is not finite: they overflowed), free them.

@@ -196,6 +196,17 @@ def tool_metrics(trajs: list) -> dict[str, float]:
             "sandbox/error_rate": sum(m.get("sandbox_errors", 0) for m in tooled) / max(calls, 1)}
 
 
+def version_metrics(trajs: list) -> dict[str, float]:
+    """Partial rollouts (engine.partial_rollout): how many policy versions produced each trajectory's sampled tokens
+    (span = newest - oldest; 0 when one version sampled all of them), and the share of trajectories that span more
+    than one."""
+    spans = [max(v) - min(v) for v in ([x for x in t.versions if x >= 0] for t in trajs if t.ok) if v]
+    if not spans:
+        return {}
+    return {"policy/version_span_max": max(spans), "policy/version_span_mean": sum(spans) / len(spans),
+            "policy/mixed_version_share": sum(1 for s in spans if s) / len(spans)}
+
+
 def phase_shares(trajs: list, start: float, rollout_end: float, learner_s: float, sync_s: float,
                  step_s: float) -> dict[str, float]:
     """Where a step's wall time went, as shares summing to 1. During the rollout window each instant goes to the

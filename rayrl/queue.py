@@ -4,7 +4,9 @@
 without Ray), `TaskQueueActor` its Ray actor.
 
 A worker *leases* tasks rather than popping them: a lease that is not acked before its deadline,
-or whose worker the driver reports dead (`release_worker`), goes back to the front of the queue.
+or whose worker the driver reports dead (`release_worker`), goes back to the front of the queue. A task whose
+episode failed for want of another actor (an engine, the Gateway... died: rayrl.recovery) is handed back with
+`retry`: it waits a back-off, then is leased again; past `max_retries` the worker acks it as failed.
 Results are keyed by `task_id`, so a task finished twice (an expired lease finished late *and*
 by the re-leaser) is kept once: nothing is lost, nothing is counted twice.
 
@@ -16,6 +18,7 @@ the plain objects back either way. Unpacked objects work too, at a higher cost p
 from __future__ import annotations
 
 import asyncio
+import heapq
 import pickle
 import time
 from collections import OrderedDict, deque
@@ -94,9 +97,10 @@ class Lease:
 
 
 class LeaseQueue:
-    """Pending tasks, leases with deadlines, completed results. Every method is O(1) per item.
+    """Pending tasks, leases with deadlines, retried tasks waiting out a back-off, completed results. Every method is
+    O(1) per item (`retry`: O(log n)).
 
-    A task_id is in at most one of pending / leased / completed at any time.
+    A task_id is in at most one of pending / leased / delayed / completed at any time.
     Items and results only need a `task_id` attribute (rayrl.types.Task / Trajectory).
     """
 
@@ -113,9 +117,14 @@ class LeaseQueue:
         # Ids of every task completed in this queue's life: put() and ack() dedup against it.
         self._completed: set[str] = set()
         self._results: deque[Any] = deque()
+        # Tasks handed back by `retry`, waiting out their back-off: task id -> item, and a heap of (ready time, id).
+        self._delayed: dict[str, Any] = {}
+        self._ready_at: list[tuple[float, str]] = []
+        self._retries: dict[str, int] = {}  # task id -> times handed back by `retry`
         self._seq = 0
         self.completed_total = 0
         self.requeued_total = 0
+        self.retried_total = 0
         self.duplicates_total = 0
         self.rejected_total = 0  # results for task ids this queue never held (or dropped by clear_pending)
 
@@ -132,7 +141,7 @@ class LeaseQueue:
         added = 0
         for item in items:
             tid = _task_id(item, "put")
-            if tid in self._pending or tid in self._leased or tid in self._completed:
+            if tid in self._pending or tid in self._leased or tid in self._completed or tid in self._delayed:
                 self.duplicates_total += 1
                 continue
             self._pending[tid] = item
@@ -173,11 +182,12 @@ class LeaseQueue:
             lease = self._leased.pop(tid, None)
             if lease is not None:
                 self._unindex(lease.worker_id, tid)
-            elif self._pending.pop(tid, _MISSING) is _MISSING:
+            elif self._pending.pop(tid, _MISSING) is _MISSING and self._delayed.pop(tid, _MISSING) is _MISSING:
                 # Never put, or dropped by clear_pending (a cancelled step): nobody wants it.
                 self.rejected_total += 1
                 continue
             self._completed.add(tid)
+            self._retries.pop(tid, None)
             self._results.append(res)
             self.completed_total += 1
             accepted += 1
@@ -191,9 +201,35 @@ class LeaseQueue:
         self._requeue_front([(tid, self._leased.pop(tid).item) for tid in tids])
         return len(tids)
 
-    def expire(self) -> int:
-        """Re-queue, at the front, leases past their deadline. Returns how many."""
+    def retry(self, worker_id: str, task_ids: list[str], max_retries: int, delay: float) -> list[str]:
+        """Hand back leased tasks whose episode failed for want of another actor: each is leased again after
+        `delay` x 2^(its retries so far) seconds. A task already retried `max_retries` times stays leased (the worker
+        acks it as failed) and is in the returned list, as are ids `worker_id` does not hold."""
+        refused = []
         now = self._clock()
+        for tid in task_ids:
+            lease = self._leased.get(tid)
+            n = self._retries.get(tid, 0)
+            if lease is None or lease.worker_id != worker_id or n >= max_retries:
+                refused.append(tid)
+                continue
+            del self._leased[tid]
+            self._unindex(worker_id, tid)
+            self._retries[tid] = n + 1
+            self._delayed[tid] = lease.item
+            heapq.heappush(self._ready_at, (now + delay * 2**n, tid))
+            self.retried_total += 1
+        return refused
+
+    def expire(self) -> int:
+        """Re-queue, at the front, leases past their deadline, and at the back, retried tasks whose back-off is
+        over. Returns how many leases expired."""
+        now = self._clock()
+        while self._ready_at and self._ready_at[0][0] <= now:
+            tid = heapq.heappop(self._ready_at)[1]
+            item = self._delayed.pop(tid, _MISSING)  # gone if a late ack completed it meanwhile
+            if item is not _MISSING:
+                self._pending[tid] = item
         expired = []
         while self._leased:
             tid, lease = next(iter(self._leased.items()))
@@ -216,17 +252,22 @@ class LeaseQueue:
         return {
             "pending": len(self._pending),
             "leased": len(self._leased),
+            "delayed": len(self._delayed),
             "done": len(self._results),
             "completed_total": self.completed_total,
             "requeued_total": self.requeued_total,
+            "retried_total": self.retried_total,
             "duplicates_total": self.duplicates_total,
             "rejected_total": self.rejected_total,
         }
 
     def clear_pending(self) -> int:
-        """Drop every pending task (shutdown / step cancelled). Leased tasks stay leased. Returns how many."""
-        n = len(self._pending)
+        """Drop every pending task, retried ones waiting included (shutdown / step cancelled). Leased tasks stay
+        leased. Returns how many."""
+        n = len(self._pending) + len(self._delayed)
         self._pending.clear()
+        self._delayed.clear()
+        self._ready_at.clear()
         return n
 
     def _requeue_front(self, entries: list[tuple[str, Any]]) -> None:
@@ -367,6 +408,11 @@ class TaskQueue:
                 break
             await self._collectors.wait(remaining)
         return _Unpacked(self._q.take_results(max_items))
+
+    async def retry(self, worker_id: str, task_ids: list[str], max_retries: int, delay: float) -> list[str]:
+        """`LeaseQueue.retry`: returns the ids not handed back (over `max_retries`: the worker acks them failed)."""
+        self._start()
+        return self._q.retry(worker_id, task_ids, max_retries, delay)
 
     async def release_worker(self, worker_id: str) -> int:
         """Re-queue every lease of `worker_id` (the driver saw it die); returns how many."""

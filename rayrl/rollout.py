@@ -3,7 +3,10 @@
 Each episode: lease -> open a Gateway session -> agent(ctx, config) with `ctx.llm` an AsyncOpenAI client
 bound to that session -> close the session (its record holds the exact token ids, logprobs and loss mask)
 -> reward (the agent's, or the RewardActor's) -> ack with the Trajectory. Anything that raises or times
-out becomes a failed Trajectory carrying the exception text; the worker goes on. Except an over-long episode:
+out becomes a failed Trajectory carrying the exception text; the worker goes on. Except when the failure is another
+actor's (the Gateway, an engine, the RewardActor, a sandbox died or did not answer: rayrl.recovery.InfraError): then
+the task goes back to the queue (`TaskQueue.retry`) to be run again, up to `rollout.infra_retries` times. And except
+an over-long episode:
 an agent that raised because the Gateway refused its next call for want of tokens (`sessions.ran_out`) gives a
 truncated trajectory, scored and trained as verl does (`reward.overlong_buffer_len`: DAPO's penalty on top).
 """
@@ -19,6 +22,7 @@ import ray
 
 from rayrl.agent import TaskContext, session_client
 from rayrl.config import Config, check_callable
+from rayrl.recovery import InfraError, infra_role
 from rayrl.sandbox import SandboxPool
 from rayrl.sandbox.client import ActorSandbox
 from rayrl.sessions import ran_out
@@ -35,6 +39,7 @@ class Rollout:
         self.episodes = 0
         self.agent_fn = check_callable(cfg.rollout.agent, "rollout.agent")
         self._http, self._http_loop = None, None
+        self._waits = WaitingSessions(None)  # the transport of self._http
 
     async def run(self) -> None:
         """Lease and run episodes for as long as the actor lives (the driver sees it end only when it dies)."""
@@ -45,7 +50,11 @@ class Rollout:
             if free == 0:
                 await asyncio.wait(inflight, return_when=asyncio.FIRST_COMPLETED)
                 continue
-            leases = await self.queue.lease.remote(self.worker_id, free, 1.0)  # blocks in the queue up to 1 s
+            try:
+                leases = await self.queue.lease.remote(self.worker_id, free, 1.0)  # blocks in the queue up to 1 s
+            except ray.exceptions.RayActorError:  # the queue died: Ray restarts it, the driver refills it
+                await asyncio.sleep(1.0)
+                continue
             for _, task in leases:
                 t = asyncio.create_task(self._episode(slots, task))
                 inflight.add(t)
@@ -53,11 +62,34 @@ class Rollout:
 
     async def _episode(self, slots: asyncio.Semaphore, task: Task) -> None:
         async with slots:
-            traj = await self.run_task(task)
-        await self.queue.ack.remote(self.worker_id, [traj])
+            try:
+                traj = await self.run_task(task)
+            except InfraError as e:
+                traj = await self._retry(task, e)
+        try:
+            if traj is not None:
+                await self.queue.ack.remote(self.worker_id, [traj])
+        except ray.exceptions.RayActorError:
+            pass  # the queue died with this task: the driver puts every uncollected task in its successor
+
+    async def _retry(self, task: Task, e: InfraError) -> Trajectory | None:
+        """Hand the task back to the queue (None), or, past rollout.infra_retries, the failed trajectory that says
+        which role failed."""
+        r = self.cfg.rollout
+        try:
+            refused = await self.queue.retry.remote(self.worker_id, [task.task_id], r.infra_retries,
+                                                    r.infra_retry_delay)
+        except ray.exceptions.RayActorError:
+            return None  # the queue died too: the driver puts the task in its successor
+        if not refused:
+            return None
+        return self._trajectory(task, SessionRecord("", task.task_id), t0=time.perf_counter(),
+                                error=f"{e} (infrastructure failure; still failing after "
+                                      f"rollout.infra_retries={r.infra_retries} retries)")
 
     async def run_task(self, task: Task) -> Trajectory:
-        """One episode, never raising: failures come back as a Trajectory with `error` set."""
+        """One episode. Its own failures (the agent's, the reward's) come back as a Trajectory with `error` set; it
+        raises InfraError when an actor it needs died or did not answer (the task is then run again)."""
         t0 = time.perf_counter()
         r = self.cfg.rollout
         last_user = next((m.get("content") for m in reversed(task.messages) if m.get("role") == "user"), None)
@@ -65,27 +97,38 @@ class Rollout:
             sid, key, base_url = await asyncio.wait_for(self.gateway.open_session.remote(
                 task.task_id, budget=r.max_response_length, max_prompt=self.cfg.data.max_prompt_length,
                 match=last_user if isinstance(last_user, str) and last_user else None, **task.sampling), 60)
-        except Exception as e:  # noqa: BLE001 - the gateway died or hung: a failed trajectory, the lease is acked
-            return self._trajectory(task, SessionRecord("", task.task_id), t0=t0, error=f"gateway: {_describe(e)}")
+        except Exception as e:  # the gateway died, hung or is not listening yet
+            raise InfraError("gateway", _describe(e)) from e
         gw = self.cfg.gateway
         llm = session_client(base_url, key, gw.model_name, gw.request_timeout, self._client())
         self.episodes += 1
         sandbox = self.sandboxes[self.episodes % len(self.sandboxes)]
         ctx = TaskContext(task=task, llm=llm, run_config=self.cfg, session_id=sid, base_url=base_url, api_key=key,
                           sandbox=sandbox)
-        out, error = None, None
+        out, error, infra = None, None, None
         try:
             out = await asyncio.wait_for(self.agent_fn(ctx, r.agent_config), r.agent_timeout)
             if not isinstance(out, dict):
                 raise TypeError(f"the agent returned {type(out).__name__}, expected a dict with reward/answer/metadata")
         except asyncio.TimeoutError:
             error = f"agent timed out after {r.agent_timeout}s"
+            if self._waits.cut.pop(sid, False):  # it was waiting for the LLM's answer: the engine did not give one
+                infra = InfraError("engine", f"an LLM call unanswered after rollout.agent_timeout={r.agent_timeout}s")
         except Exception as e:  # noqa: BLE001 - any agent failure is an outcome, not a crash
             error = _describe(e)
+            role = infra_role(e)
+            infra = None if role is None else InfraError(role, error)
+        self._waits.cut.pop(sid, None)
         try:
             rec: SessionRecord = await asyncio.wait_for(self.gateway.close_session.remote(sid), 60)
-        except Exception as e:  # noqa: BLE001
-            return self._trajectory(task, SessionRecord(sid, task.task_id), t0=t0, error=f"gateway: {_describe(e)}")
+        except Exception as e:  # the gateway died or hung (its sessions are gone with it)
+            raise InfraError("gateway", _describe(e)) from e
+        if infra is not None:
+            raise infra
+        if rec.policy_version is not None and rec.policy_version < task.policy_version:
+            # an engine restarted (rayrl.recovery) served this before it got the current weights
+            raise InfraError("engine", f"served at policy version {rec.policy_version} < the task's "
+                                       f"{task.policy_version}: a restarted engine without the current weights")
         if error is not None:
             if not ran_out(rec):
                 return self._trajectory(task, rec, error=error, t0=t0)
@@ -121,18 +164,18 @@ class Rollout:
         loop = asyncio.get_running_loop()
         if self._http is None or self._http_loop is not loop:
             g = self.cfg.gateway
-            transport = None if g.enabled else RayTransport(self.gateway)
-            self._http = httpx.AsyncClient(transport=transport, timeout=g.request_timeout,
-                                           limits=httpx.Limits(max_connections=None, max_keepalive_connections=
-                                                               2 * self.cfg.rollout.concurrency))
+            limits = httpx.Limits(max_connections=None, max_keepalive_connections=2 * self.cfg.rollout.concurrency)
+            self._waits = WaitingSessions(httpx.AsyncHTTPTransport(limits=limits) if g.enabled
+                                          else RayTransport(self.gateway))
+            self._http = httpx.AsyncClient(transport=self._waits, timeout=g.request_timeout)
             self._http_loop = loop
         return self._http
 
     async def _score(self, req) -> tuple[float | None, str | None]:
         try:
             [res] = await asyncio.wait_for(self.reward.score.remote([req]), self.cfg.reward.timeout + 30)
-        except Exception as e:  # noqa: BLE001 - the reward actor died or hung: a failed trajectory
-            return None, f"reward actor: {_describe(e)}"
+        except Exception as e:  # the reward actor died or hung (a hung scorer is its own result)
+            raise InfraError("reward", _describe(e)) from e
         return res.score, res.error
 
     def _trajectory(self, task: Task, s: SessionRecord, t0: float, error: str | None = None, reward=None, answer=None,
@@ -148,8 +191,8 @@ class Rollout:
                    and isinstance(e.get("start"), float) and isinstance(e.get("end"), float)]
         return Trajectory(task_id=task.task_id, group_id=task.group_id, step=task.step, data_source=task.data_source,
                           prompt_ids=s.prompt_ids, response_ids=s.response_ids, loss_mask=s.loss_mask,
-                          logprobs=s.logprobs, reward=None if reward is None else float(reward), answer=answer,
-                          metadata=metadata or {}, finish_reason=s.finish_reason, num_turns=s.num_turns,
+                          logprobs=s.logprobs, versions=s.versions, reward=None if reward is None else float(reward),
+                          answer=answer, metadata=metadata or {}, finish_reason=s.finish_reason, num_turns=s.num_turns,
                           policy_version=task.policy_version if s.policy_version is None else s.policy_version,
                           timings=timings, error=error, worker=self.worker_id, events=events)
 
@@ -177,6 +220,27 @@ def _describe(e: BaseException) -> str:
     return text.splitlines()[0][:500] if text else traceback.format_exception_only(e)[-1].strip()
 
 
+class WaitingSessions(httpx.AsyncBaseTransport):
+    """The worker's transport to the Gateway (`inner`), noting the sessions whose request was cancelled while it
+    waited for the answer (`cut`): an agent timed out there was waiting on an engine, not hung itself."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport | None):
+        self.inner = inner
+        self.cut: dict[str, bool] = {}  # session id -> True; run_task takes its own out
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        try:
+            return await self.inner.handle_async_request(request)
+        except asyncio.CancelledError:
+            parts = request.url.path.split("/")  # /sessions/<sid>/v1/...
+            if len(parts) > 2 and parts[1] == "sessions":
+                self.cut[parts[2]] = True
+            raise
+
+    async def aclose(self) -> None:
+        await self.inner.aclose()
+
+
 class RayTransport(httpx.AsyncBaseTransport):
     """httpx transport to the Gateway actor through Ray calls instead of TCP (gateway.enabled=false)."""
 
@@ -185,8 +249,11 @@ class RayTransport(httpx.AsyncBaseTransport):
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         body = await request.aread()
-        status, headers, content = await self.gateway.request.remote(request.method, request.url.raw_path.decode(),
-                                                                       dict(request.headers), body)
+        try:
+            status, headers, content = await self.gateway.request.remote(
+                request.method, request.url.raw_path.decode(), dict(request.headers), body)
+        except ray.exceptions.RayActorError as e:
+            raise InfraError("gateway", _describe(e)) from e
         return httpx.Response(status, headers=headers, content=content, request=request)
 
     async def aclose(self) -> None:

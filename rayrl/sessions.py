@@ -34,6 +34,7 @@ class Session:
     match: str | None  # text the first request must contain, for prefix binding (external services)
     engine: int | None = None  # sticky engine index, chosen at the first call
     history: list[dict] | None = None  # the last request's messages + the assistant reply we returned
+    opened: float = field(default_factory=time.monotonic)
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)  # one call at a time: the record is one sequence
 
 
@@ -42,9 +43,11 @@ class Sessions:
 
     MAX_N_UNBOUND = 8  # n > 1 only for unbound requests: a session is one trajectory
 
-    def __init__(self, tokenizer: Any, max_model_len: int):
+    def __init__(self, tokenizer: Any, max_model_len: int, ttl: float | None = None):
         self.tok = tokenizer
         self.max_model_len = max_model_len
+        self.ttl = ttl  # seconds a session may stay open (its episode is over by then: its worker died); None = ever
+        self.expired = 0  # sessions closed by the TTL
         self.by_id: dict[str, Session] = {}
         self.keys: dict[str, str] = {}  # api key -> session id
         self.closed: OrderedDict[str, float] = OrderedDict()  # recently closed ids, for a 410 instead of a 404
@@ -55,6 +58,7 @@ class Sessions:
     # open, close, bind ------------------------------------------------------------------------
     def open(self, task_id: str, budget: int | None, max_prompt: int | None, sampling: dict[str, float],
              match: str | None) -> Session:
+        self.expire()
         sid = f"s-{uuid.uuid4().hex}"
         key = f"rk-{secrets.token_urlsafe(24)}"
         self.by_id[sid] = Session(record=SessionRecord(session_id=sid, task_id=task_id), key=key, budget=budget,
@@ -72,6 +76,20 @@ class Sessions:
         while len(self.closed) > 100_000:
             self.closed.popitem(last=False)
         return s.record
+
+    def expire(self) -> list[str]:
+        """Close the sessions open for longer than the TTL (a worker that died never closes its own); their ids."""
+        if self.ttl is None:
+            return []
+        now, old = time.monotonic(), []
+        for sid, s in self.by_id.items():  # opening order: the oldest first
+            if now - s.opened <= self.ttl:
+                break
+            old.append(sid)
+        for sid in old:
+            self.close(sid)
+        self.expired += len(old)
+        return old
 
     def get(self, sid: str) -> Session:
         """The open session `sid`; a 410 when it was closed, a 404 when it never was."""

@@ -23,7 +23,7 @@ import time
 
 import ray
 
-from rayrl import checkpoint, cluster, templates
+from rayrl import checkpoint, cluster, stop, templates
 from rayrl.batching import shard
 from rayrl.config import Config, ConfigError
 from rayrl.data import DataIterator
@@ -44,7 +44,7 @@ def sft(cfg: Config) -> dict:
     data = DataIterator(rows, s.batch_size, t.seed, cfg.data.shuffle)
     cluster.connect(cfg)
     check_cluster(cfg, ray.cluster_resources())
-    actors, log, summary = None, None, {}
+    actors, log, summary, step = None, None, {}, 0
     try:
         actors = cluster.start_learners(cfg, model_path)
         step = resume(cfg, actors.learners, data)
@@ -72,6 +72,9 @@ def sft(cfg: Config) -> dict:
             summary["hf"] = hf_dir
         log.info(f"done: {summary.get('step', step)} steps. checkpoint: {summary.get('checkpoint', '-')}  "
                  f"Hugging Face model: {summary.get('hf', '-')}")
+    except stop.Stopped as e:  # SIGTERM / Ctrl-C (rayrl.stop): the caller says where the run stopped
+        e.step = step
+        raise
     finally:
         if log is not None:
             log.close()

@@ -6,7 +6,9 @@ workers lease them and run the agent against the engines -> collect whole groups
 checkpoint. How it departs from textbook GRPO:
 - losses are token-mean over the whole mini-batch with DAPO's clip-higher (clip_ratio_low/high);
 - old log-probs are recomputed by the learner, except on-policy (one mini-batch, one epoch,
-  staleness 0) where old = current.detach() exactly;
+  staleness 0, no algo.rollout_correction) where old = current.detach() exactly;
+- `algo.rollout_correction` (verl's, off by default): truncated importance weights and rejection against the engines'
+  log-probs, PPO's ratio against the recomputed ones (decoupled PPO); the rollout_corr/ mismatch metrics every step;
 - failed trajectories are never trained on and groups with < 2 successes are dropped (rayrl.batching);
 - `algo.max_staleness: k` lets the queue hold up to k steps of tasks ahead of the learner (async RL);
   0 is synchronous: rollout is idle while the learner trains.
@@ -22,11 +24,20 @@ from collections import Counter
 
 import ray
 
-from rayrl import checkpoint, cluster, colocate, trace, weight_sync
-from rayrl.batching import advantages, shard, trainable_groups
+from rayrl import checkpoint, cluster, colocate, recovery, stop, trace, weight_sync
+from rayrl.batching import advantages, rollout_correction, shard, trainable_groups
 from rayrl.config import Config, check_cluster
 from rayrl.data import DataIterator, load_rows
-from rayrl.metrics import StepLogger, dashboard, phase_shares, summarize, tool_metrics, val_generations, val_metrics
+from rayrl.metrics import (
+    StepLogger,
+    dashboard,
+    phase_shares,
+    summarize,
+    tool_metrics,
+    val_generations,
+    val_metrics,
+    version_metrics,
+)
 from rayrl.models import resolve_model
 from rayrl.types import Task, Trajectory
 
@@ -44,7 +55,7 @@ def train(cfg: Config) -> dict:
     cluster.connect(cfg)
     check_cluster(cfg, ray.cluster_resources())
     decode = _decoder(model_path) if val_rows and t.log_val_generations else None
-    actors, log, summary = None, None, {}
+    actors, log, summary, step = None, None, {}, 0
     if t.trace:
         trace.start(t.output_dir)
     try:
@@ -64,7 +75,7 @@ def train(cfg: Config) -> dict:
                 t0, w0 = time.perf_counter(), time.time()
                 with trace.span("rollout"):
                     feeder.fill(until=min(step + cfg.algo.max_staleness, t.total_steps - 1), version=version)
-                    trajs = collect(cfg, actors, feeder.expected.pop(step), step, feeder.early)
+                    trajs = collect(cfg, actors, feeder.expected.pop(step), step, feeder.early, feeder)
                 trace.trajectories(trajs)
                 check_failures(trajs, step + 1, log)
                 t_rollout = time.perf_counter() - t0
@@ -94,25 +105,33 @@ def train(cfg: Config) -> dict:
         log.info(f"done: {summary.get('step', step)} steps. checkpoint: {summary.get('checkpoint', '-')}  "
                  f"Hugging Face model: {summary.get('hf', '-')}"
                  + (f"  trace: {t.output_dir}/trace.json" if t.trace else ""))
+    except stop.Stopped as e:  # SIGTERM / Ctrl-C (rayrl.stop): the caller says where the run stopped
+        e.step = step
+        raise
     finally:
         if log is not None:
             log.close()
-        cluster.shutdown(actors)
-        summary["trace"] = trace.close()
+        try:  # the trace first: `ray job stop` SIGKILLs a driver that takes longer than RAY_JOB_STOP_WAIT_TIME_S
+            summary["trace"] = trace.close()
+        finally:
+            cluster.shutdown(actors)
     return summary
 
 
 class Feeder:
-    """Puts each step's tasks into the queue (ahead of the learner by up to max_staleness steps)."""
+    """Puts each step's tasks into the queue (ahead of the learner by up to max_staleness steps), and keeps them until
+    they are collected: the ledger a restarted queue is refilled from (rayrl.recovery)."""
 
     def __init__(self, cfg: Config, queue, data: DataIterator, start: int):
         self.cfg, self.queue, self.data = cfg, queue, data
         self.next_step = start
-        self.expected: dict[int, set[str]] = {}  # step -> task ids still to collect
+        self.version = 0  # the policy version the engines serve (as of the last fill)
+        self.expected: dict[int, dict[str, Task]] = {}  # step -> its tasks still to collect, by id
         self.early: dict[int, dict[str, Trajectory]] = {}  # results of later steps that arrived early
         self.states: dict[int, dict] = {}  # step -> data position before its batch (for checkpoints)
 
     def fill(self, until: int, version: int) -> None:
+        self.version = version
         while self.next_step <= until:
             s = self.next_step
             self.states[s] = self.data.state()
@@ -120,50 +139,80 @@ class Feeder:
                           ground_truth=row.ground_truth, data_source=row.data_source, extra_info=row.extra_info,
                           policy_version=version)
                      for i, row in enumerate(self.data.next_batch()) for k in range(self.cfg.rollout.n)]
-            ray.get(self.queue.put.remote(tasks), timeout=60)
-            self.expected[s] = {t.task_id for t in tasks}
+            self.expected[s] = {t.task_id: t for t in tasks}
+            try:
+                ray.get(self.queue.put.remote(tasks), timeout=60)
+            except ray.exceptions.RayActorError:
+                pass  # the queue died: collect() puts them in its successor (rayrl.recovery)
             self.next_step += 1
 
     def state_before(self, step: int) -> dict:
         """The data position a run resumed at `step` must start from."""
         return self.states.get(step) or self.data.state()
 
+    def uncollected(self) -> list[Task]:
+        """The tasks of later steps filled ahead whose results have not arrived yet."""
+        return [t for s, tasks in self.expected.items() for tid, t in tasks.items() if tid not in self.early.get(s, {})]
 
-def collect(cfg: Config, actors, expected: set[str], step: int,
-            early: dict[int, dict[str, Trajectory]]) -> list[Trajectory]:
-    """Wait for every trajectory of `step` (failed ones included); replace rollout workers that die."""
+
+def collect(cfg: Config, actors, expected: dict[str, Task], step: int, early: dict[int, dict[str, Trajectory]],
+            feeder: Feeder | None = None) -> list[Trajectory]:
+    """Wait for every trajectory of `step` (failed ones included); replace rollout workers that die; finish the
+    restart of the actors Ray restarts (rayrl.recovery: the queue gets every uncollected task back, from `expected`
+    and the `feeder`'s later steps). A role that does not come back raises RoleLost, after a checkpoint of the
+    `step` steps done."""
     got = early.pop(step, {})
     deadline = time.monotonic() + cfg.trainer.collect_timeout
-    while len(got) < len(expected):
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"step {step}: {len(got)} of {len(expected)} trajectories after "
-                               f"trainer.collect_timeout={cfg.trainer.collect_timeout}s")
-        batch = ray.get(actors.queue.get_results.remote(len(expected), 2.0, len(expected) - len(got)), timeout=60)
-        trace.received(batch)
-        dashboard({f"queue/{k}": v for k, v in ray.get(actors.queue.stats.remote(), timeout=60).items()},
-                  cfg.trainer.experiment_name)
-        for tr in batch:  # keyed by task id: a trajectory can never count twice
-            (got if tr.step == step else early.setdefault(tr.step, {}))[tr.task_id] = tr
-        for wid in cluster.restart_dead_workers(actors, cfg):
-            print(f"rayrl: rollout worker {wid} died; its leases were re-queued and it was replaced",  # noqa: T201
-                  file=sys.stderr)
+    try:
+        while len(got) < len(expected):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"step {step}: {len(got)} of {len(expected)} trajectories after "
+                                   f"trainer.collect_timeout={cfg.trainer.collect_timeout}s")
+            try:
+                batch = ray.get(actors.queue.get_results.remote(len(expected), 2.0, len(expected) - len(got)),
+                                timeout=60)
+                stats = ray.get(actors.queue.stats.remote(), timeout=60)
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+                batch, stats = [], {}  # the queue died: the watch below sees it restarted, or lost
+            trace.received(batch)
+            dashboard({f"queue/{k}": v for k, v in stats.items()}, cfg.trainer.experiment_name)
+            for tr in batch:  # keyed by task id: a trajectory can never count twice
+                (got if tr.step == step else early.setdefault(tr.step, {}))[tr.task_id] = tr
+            restarted = actors.watch.poll()
+            if restarted:
+                todo = [t for tid, t in expected.items() if tid not in got] + (feeder.uncollected() if feeder else [])
+                version = feeder.version if feeder else max(t.policy_version for t in expected.values())
+                recovery.recover(cfg, actors, restarted, todo, version)
+            for wid in cluster.restart_dead_workers(actors, cfg):
+                print(f"rayrl: rollout worker {wid} died; its leases were re-queued and it was replaced",  # noqa: T201
+                      file=sys.stderr)
+    except recovery.RoleLost:
+        done = checkpoint.latest(cfg.trainer.output_dir)
+        if feeder is not None and step and not (done and done.endswith(f"step_{step}")):
+            save(cfg, actors, step, feeder.version, feeder.state_before(step))  # the learners hold step `step`
+        raise
     return list(got.values())
 
 
 def update(cfg: Config, learners: list, groups: list[list[Trajectory]]) -> dict[str, float]:
-    """Advantages, then ppo_epochs x mini-batches optimizer steps on every learner rank."""
+    """Advantages, the old (proximal) log-probs and algo.rollout_correction, then ppo_epochs x mini-batches optimizer
+    steps on every learner rank. The rollout_corr/ metrics compare the learner's log-probs before the update with the
+    engines' every step (on-policy: those train_step computed)."""
     if not groups:
         return {}
     mini = cfg.learner.mini_batch_size or cfg.trainer.batch_size
     minibatches = [groups[i : i + mini] for i in range(0, len(groups), mini)]
-    shards = [shard(mb, advantages(mb, cfg.algo.norm_adv_by_std_in_grpo), len(learners), cfg.learner.sequence_parallel)
-              for mb in minibatches]
+    sp, corr = cfg.learner.sequence_parallel, cfg.algo.rollout_correction
+    shards = [shard(mb, advantages(mb, cfg.algo.norm_adv_by_std_in_grpo), len(learners), sp) for mb in minibatches]
     timeout = cfg.learner.timeout
-    on_policy = len(minibatches) == 1 and cfg.learner.ppo_epochs == 1 and cfg.algo.max_staleness == 0
+    # the correction needs the proximal log-probs before the first update (decoupled PPO: verl recomputes them too)
+    on_policy = (len(minibatches) == 1 and cfg.learner.ppo_epochs == 1 and cfg.algo.max_staleness == 0
+                 and not corr.enabled)
     with trace.span("learner/compute_logprobs"):
         olds = None if on_policy else [
             ray.get([ln.compute_logprobs.remote(s) for ln, s in zip(learners, sh, strict=True)], timeout=timeout)
             for sh in shards]
+    mismatch = {} if olds is None else rollout_correction(shards, olds, corr, sp)  # sets is_weights / masks
     stats = []
     for epoch in range(cfg.learner.ppo_epochs):
         for j, sh in enumerate(shards):
@@ -172,9 +221,11 @@ def update(cfg: Config, learners: list, groups: list[list[Trajectory]]) -> dict[
                 stats.append(ray.get([ln.train_step.remote(s, None if olds is None else olds[j][r])
                                       for r, (ln, s) in enumerate(zip(learners, sh, strict=True))], timeout=timeout))
                 trace.learner([e for st in stats[-1] for e in st.events], t0, time.time())  # a lane per rank
+    if olds is None:  # on-policy: train_step's log-probs were the old ones
+        mismatch = rollout_correction(shards, [[s.logprobs for s in stats[0]]], corr, sp)
     last = stats[-1]
     learner_s = sum(max(s.seconds for s in st) for st in stats)  # the slowest rank of each optimizer step
-    return {"actor/loss": sum(s.loss for s in last), "actor/pg_clipfrac": sum(s.pg_clipfrac for s in last),
+    return {**mismatch, "actor/loss": sum(s.loss for s in last), "actor/pg_clipfrac": sum(s.pg_clipfrac for s in last),
             "actor/ppo_kl": sum(s.ppo_kl for s in last), "actor/entropy": sum(s.entropy for s in last),
             "actor/grad_norm": last[0].grad_norm, "actor/updates": len(stats), "time/learner_s": learner_s,
             # every token a train_step forwarded (prompts and responses, all epochs) per second of train_step
@@ -229,7 +280,7 @@ def validate(cfg: Config, actors, rows: list, version: int, step: int, log: Step
              for i, r in enumerate(rows) for k in range(cfg.trainer.val_n)]
     with trace.span("validate", version=version):
         ray.get(actors.queue.put.remote(tasks), timeout=60)
-        trajs = collect(cfg, actors, {t.task_id for t in tasks}, vstep, {})
+        trajs = collect(cfg, actors, {t.task_id: t for t in tasks}, vstep, {})
     trace.trajectories(trajs)
     if decode is not None:
         log.generations(step, val_generations(trajs, t.log_val_generations, decode))
@@ -269,7 +320,8 @@ def step_metrics(trajs: list[Trajectory], groups, dropped: int, learn: dict, t_r
             "trajectories/total": len(trajs), "trajectories/failed": len(trajs) - len(ok),
             "groups/trained": len(groups), "groups/dropped": dropped,
             "policy/staleness_max": max((version - 1 - t.policy_version for t in trajs), default=0),
-            "sandbox/latency_s": sum(sandbox) / len(sandbox) if sandbox else 0.0, **tool_metrics(trajs), **learn}
+            "sandbox/latency_s": sum(sandbox) / len(sandbox) if sandbox else 0.0, **tool_metrics(trajs),
+            **version_metrics(trajs), **learn}
 
 
 if __name__ == "__main__":

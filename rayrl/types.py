@@ -46,6 +46,7 @@ class Trajectory:
     answer: Any = None
     metadata: dict[str, Any] = field(default_factory=dict)
     policy_version: int = 0  # version of the weights that generated the first token
+    versions: list[int] = field(default_factory=list)  # each response token's policy version, -1 where loss_mask is 0
     finish_reason: str = ""
     num_turns: int = 0
     timings: dict[str, float] = field(default_factory=dict)
@@ -70,7 +71,8 @@ class Generation:
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str
-    policy_version: int
+    policy_version: int  # of the first token
+    versions: list[int] = field(default_factory=list)  # each token's policy version (a partial rollout spans several)
 
 
 @dataclass
@@ -98,6 +100,7 @@ class SessionRecord:
     response_ids: list[int] = field(default_factory=list)  # model tokens and env tokens between turns
     loss_mask: list[int] = field(default_factory=list)  # 1 = sampled by the engine, 0 = env/tool/template tokens
     logprobs: list[float] = field(default_factory=list)  # the engine's, 0.0 where loss_mask is 0
+    versions: list[int] = field(default_factory=list)  # policy version of each sampled token, -1 where loss_mask is 0
     num_turns: int = 0
     policy_version: int | None = None
     finish_reason: str = ""
@@ -124,9 +127,11 @@ class SessionRecord:
             self.response_ids += env
             self.loss_mask += [0] * len(env)
             self.logprobs += [0.0] * len(env)
+            self.versions += [-1] * len(env)
         self.response_ids += gen.token_ids
         self.loss_mask += [1] * len(gen.token_ids)
         self.logprobs += gen.logprobs
+        self.versions += gen.versions or [gen.policy_version] * len(gen.token_ids)
         self.num_turns += 1
         self.finish_reason = gen.finish_reason
         turn = Turn(env_len=len(env), token_ids=list(gen.token_ids), logprobs=list(gen.logprobs),
@@ -148,6 +153,9 @@ class StepStats:
     num_tokens: int
     seconds: float
     extra: dict[str, float] = field(default_factory=dict)
+    # the policy's log-probs of each response token before the step (on-policy train_step only: old = current), for
+    # the driver's engine-vs-learner mismatch metrics; None when the driver passed the old log-probs in
+    logprobs: list[list[float]] | None = None
     # Learner-side spans for the trace (rayrl.trace): {"name": "forward" | "backward" (per micro-batch) |
     # "optimizer_step" | "train_step" (the whole call), "start", "end": time.time(), "rank", "args"}
     events: list[dict[str, Any]] = field(default_factory=list)
@@ -163,6 +171,10 @@ class TrainBatch:
     advantages: list[list[float]]  # per response token
     global_tokens: int  # response tokens (mask 1) in the whole mini-batch over all ranks: token-mean divides by this
     global_seqs: int  # sequences in the whole mini-batch over all ranks
+    # per response token: the engine's log-prob of it (the behaviour policy; 0.0 where loss_mask is 0)
+    rollout_logprobs: list[list[float]] = field(default_factory=list)
+    # per response token: the truncated importance weight on its loss (algo.rollout_correction.rollout_is); None = 1
+    is_weights: list[list[float]] | None = None
 
     def __len__(self) -> int:
         return len(self.prompt_ids)

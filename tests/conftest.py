@@ -1,5 +1,5 @@
 """Shared fixtures: a tiny random Qwen2 (built once per session) and a local Ray cluster; every test that starts
-neither Ray nor a CLI job (no integration / e2e / gpu marker) is marked `unit`."""
+neither Ray nor a CLI job (no integration / e2e / gpu / chaos marker) is marked `unit`."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from tests.helpers import ROOT
 
-NOT_UNIT = ("integration", "e2e", "gpu")
+NOT_UNIT = ("integration", "e2e", "gpu", "chaos")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -275,13 +275,17 @@ class LocalCluster:
         return self
 
     def processes(self) -> list:
-        """This cluster's Ray processes (found by the temp dir in their command line) and all their descendants."""
+        """This cluster's Ray processes (found by the temp dir or, for the head's `ray.util.client.server`, the GCS
+        port in their command line) and all their descendants."""
         import psutil
+
+        def ours(a: str) -> bool:  # the client server's --address is the node's IP with this cluster's GCS port
+            return self.temp_dir in a or a.startswith("--address=") and a.endswith(f":{self.gcs_port}")
 
         roots = []
         for p in psutil.process_iter(["cmdline"]):
             try:
-                if any(self.temp_dir in a for a in (p.info["cmdline"] or [])):
+                if any(ours(a) for a in p.info["cmdline"] or []):
                     roots.append(p)
             except (psutil.NoSuchProcess, psutil.AccessDenied):
                 pass

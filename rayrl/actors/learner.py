@@ -1,7 +1,8 @@
-"""LearnerActor: the Ray actor over `rayrl.learner.Learner`."""
+"""LearnerActor: the Ray actor over `rayrl.learner.Learner`; its output goes to its log file (rayrl.logs)."""
 
 import ray
 
 from rayrl.learner import Learner
+from rayrl.logs import to_file
 
-LearnerActor = ray.remote(Learner)
+LearnerActor = ray.remote(to_file(Learner))

@@ -1,5 +1,6 @@
 """SandboxActor: the Ray shell over SandboxPool (rayrl/sandbox/), so that episodes on many rollout workers share one
-node's sandbox budget (`sandbox.num_actors`); its client is rayrl.sandbox.client.ActorSandbox."""
+node's sandbox budget (`sandbox.num_actors`); its client is rayrl.sandbox.client.ActorSandbox.
+Its output goes to its log file (rayrl.logs)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,12 @@ from typing import Any
 import ray
 
 from rayrl.config import SandboxConfig
+from rayrl.logs import to_file
 from rayrl.sandbox import ExecResult, SandboxFull, SandboxPool
 
 
 @ray.remote
+@to_file
 class SandboxActor:
     """`SandboxActor.options(...).remote(cfg.sandbox)`; `await actor.run.remote(code)`."""
 

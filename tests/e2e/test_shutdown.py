@@ -1,5 +1,6 @@
 """Clean shutdown: a driver killed with SIGKILL mid-step leaves no rayrl actor, no engine-core subprocess,
-no reward pool process (the seed's `pkill -9 -f ray::WorkerDict` must never be needed)."""
+no reward pool process (the seed's `pkill -9 -f ray::WorkerDict` must never be needed); SIGTERM and Ctrl-C end a run
+with one line, exit 143 / 130, the trace written and nothing left; the test cluster's stop() leaves no process."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 
 from tests.helpers import ROOT, LocalCluster, alive, run_processes, tiny_overrides, wait_until
@@ -44,3 +46,73 @@ def test_sigkill_driver_mid_step_leaves_no_process(tiny_model, tmp_path):
         assert not left, f"still running {time.monotonic() - t0:.0f}s after SIGKILL: {left}"
     finally:
         cluster.stop()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_signal_mid_run_stops_cleanly(sig, tiny_model, tmp_path):
+    """`rayrl train` on its own local Ray gets SIGTERM / SIGINT in step 2: the actors stop, the trace is written, one
+    line names the signal, the step and the last checkpoint, exit 128 + signal, and none of its processes is left."""
+    env = {**os.environ, "PYTHONPATH": ROOT, "PYTHONUNBUFFERED": "1"}
+    env.pop("RAY_ADDRESS", None)
+    out = tmp_path / "run"
+    args = tiny_overrides(tiny_model, str(out), **{"trainer.total_steps": 20, "trainer.save_freq": 1,
+                                                   "trainer.export_hf": False})
+    log = open(tmp_path / "driver.log", "w")
+    driver = subprocess.Popen([sys.executable, "-m", "rayrl", "train", *args], env=env, cwd=tmp_path, stdout=log,
+                              stderr=subprocess.STDOUT)
+    try:
+        seen: dict[int, float] = {}
+        titles: dict[int, str] = {}  # the latest: a process sets its title (VLLM::EngineCore) after it starts
+
+        def step_done():
+            for p in psutil.Process(driver.pid).children(recursive=True):  # its local Ray: raylet, actors, engines
+                try:
+                    seen.setdefault(p.pid, p.create_time())
+                    titles[p.pid] = " ".join(p.cmdline())
+                except psutil.Error:
+                    pass
+            return "step 1: reward" in (tmp_path / "driver.log").read_text() or driver.poll() is not None
+
+        assert wait_until(step_done, timeout=400, interval=1.0), (tmp_path / "driver.log").read_text()[-3000:]
+        assert driver.poll() is None, (tmp_path / "driver.log").read_text()[-3000:]
+        assert any("EngineCore" in t for t in titles.values()), titles
+        os.kill(driver.pid, sig)
+        rc = driver.wait(timeout=120)
+        text = (tmp_path / "driver.log").read_text()
+        assert rc == 128 + sig, text[-3000:]
+        last = [ln for ln in text.splitlines() if ln.startswith("rayrl: stopped by")]
+        assert last and last[-1].startswith(f"rayrl: stopped by {sig.name} at step "), text[-3000:]
+        assert f"(last checkpoint: {out}/checkpoints/step_" in last[-1], last[-1]
+        assert "Traceback" not in text, text[-3000:]
+        assert (out / "trace.json").is_file()
+        wait_until(lambda: not _alive(seen), timeout=30)
+        assert not _alive(seen), _alive(seen)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+
+
+def test_cluster_stop_stops_every_process_it_started():
+    """tests.helpers.LocalCluster.stop(), which every e2e test ends with: nothing of the cluster outlives it, the
+    head's Ray client server (`ray.util.client.server`, which does not carry the temp dir) included."""
+    cluster = LocalCluster().start_head(num_cpus=2).add_worker(num_cpus=1)
+    try:
+        procs = {p.pid: p.create_time() for p in cluster.processes()}
+        titles = " | ".join(_alive(procs))
+        for name in ("gcs_server", "raylet", "ray.util.client.server", "dashboard"):
+            assert name in titles, titles
+    finally:
+        cluster.stop()
+    assert not _alive(procs), _alive(procs)
+
+
+def _alive(pids: dict[int, float]) -> list[str]:
+    left = []
+    for pid, created in pids.items():
+        try:
+            p = psutil.Process(pid)
+            if p.create_time() == created and p.status() != psutil.STATUS_ZOMBIE:
+                left.append(" ".join(p.cmdline())[:100])
+        except psutil.Error:
+            pass
+    return left

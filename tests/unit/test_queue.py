@@ -238,3 +238,57 @@ def test_task_queue_parks_callers_until_items_arrive() -> None:
         assert await tq.lease("w1", 1, timeout=0.1) == [] and await tq.get_results(1, timeout=0.1) == []
 
     asyncio.run(scenario())
+
+
+def test_retry_waits_a_backoff_then_leases_again_up_to_the_cap(q: LeaseQueue, clock: FakeClock) -> None:
+    t = task(0)
+    q.put([t])
+    [(_, got)] = q.lease("w1")
+    assert q.retry("w1", [got.task_id], max_retries=2, delay=5.0) == []
+    s = q.stats()
+    assert (s["pending"], s["leased"], s["delayed"], s["retried_total"]) == (0, 0, 1, 1)
+    assert q.lease("w2") == []  # still waiting out its back-off
+    clock.now += 5.0
+    [(_, again)] = q.lease("w2")
+    assert again.task_id == t.task_id
+    assert q.retry("w2", [t.task_id], max_retries=2, delay=5.0) == []
+    clock.now += 9.9
+    assert q.lease("w1") == []  # the second back-off is twice the first
+    clock.now += 0.1
+    [(_, third)] = q.lease("w1")
+    # past the cap the task stays leased to its worker, which acks it as a failed trajectory
+    assert q.retry("w1", [t.task_id], max_retries=2, delay=5.0) == [t.task_id]
+    assert q.stats()["leased"] == 1
+    assert q.ack("w1", [result(t, "w1")]) == 1
+    assert q.stats()["retried_total"] == 2 and [r.task_id for r in q.take_results(5)] == [t.task_id]
+
+
+def test_retry_refuses_tasks_the_worker_does_not_hold(q: LeaseQueue) -> None:
+    a, b = task(0), task(1)
+    q.put([a, b])
+    q.lease("w1")
+    assert q.retry("w2", [a.task_id], max_retries=3, delay=1.0) == [a.task_id]  # leased by w1, not w2
+    assert q.retry("w1", [b.task_id], max_retries=3, delay=1.0) == [b.task_id]  # pending, not leased
+    assert q.stats()["retried_total"] == 0
+
+
+def test_a_retried_task_is_never_doubled(q: LeaseQueue, clock: FakeClock) -> None:
+    """While it waits, a put of the same id is a duplicate and a late ack completes it (once)."""
+    t = task(0)
+    q.put([t])
+    q.lease("w1")
+    q.retry("w1", [t.task_id], max_retries=3, delay=5.0)
+    assert q.put([t]) == 0
+    assert q.ack("w9", [result(t, "w9")]) == 1  # e.g. an expired lease's worker finishing late
+    clock.now += 60
+    assert q.lease("w2") == [] and q.stats()["delayed"] == 0
+    assert q.ack("w2", [result(t, "w2")]) == 0 and q.stats()["completed_total"] == 1
+
+
+def test_clear_pending_drops_retried_tasks_too(q: LeaseQueue, clock: FakeClock) -> None:
+    q.put([task(0), task(1)])
+    [(_, t0)] = q.lease("w1")
+    q.retry("w1", [t0.task_id], max_retries=3, delay=5.0)
+    assert q.clear_pending() == 2
+    clock.now += 60
+    assert q.lease("w1") == [] and q.stats()["delayed"] == 0

@@ -196,6 +196,28 @@ def test_every_run_starts_in_a_fresh_interpreter_context(fake_e2b) -> None:
     assert len(requests("DELETE", "/contexts/")) == 2 and not FakeE2B.contexts  # each removed after its run
 
 
+def test_each_tool_agent_episode_starts_in_a_fresh_interpreter(fake_e2b) -> None:
+    # two episodes of the tool agent on one pool (one sandbox): the second cannot see what the first defined
+    first = FakeLLM([completion("Define it.", [("code_interpreter", {"code": "secret = 41\nprint(secret)"})]),
+                     completion("\\boxed{41}")])
+    second = FakeLLM([completion("Use it.", [("code_interpreter", {"code": "print(secret + 1)"})]),
+                      completion("\\boxed{42}")])
+
+    async def go():
+        pool = SandboxPool(fake_e2b)
+        try:
+            return [await agent(make_ctx(llm, pool), {}) for llm in (first, second)]
+        finally:
+            await pool.close()
+    a, b = asyncio.run(go())
+    assert a["metadata"]["tool_calls"] == 1 and a["metadata"]["code_errors"] == 0
+    assert b["metadata"]["code_errors"] == 1
+    seen = second.requests[1]["messages"][-1]  # the tool result the model got in the second episode
+    assert seen["role"] == "tool" and "NameError" in seen["content"], seen
+    assert first.requests[1]["messages"][-1]["content"].strip() == "41"
+    assert creates() == 1  # the sandbox was reused; only the interpreter context was new
+
+
 def test_the_timeout_reaches_the_run(fake_e2b) -> None:
     fake_e2b.timeout = 1.0
     t0 = time.monotonic()

@@ -1,0 +1,134 @@
+"""Recovery: work lost to a dead actor is re-run, and the roles that die come back.
+
+- In the rollout worker, an episode that failed because an actor it needs died or did not answer (`infra_role`) is
+  not a failed trajectory: the task goes back to the queue (`TaskQueue.retry`, `rollout.infra_retries` times at
+  most, after a back-off of `rollout.infra_retry_delay` s, doubling). Only the agent's and the reward's own errors
+  are failed trajectories.
+- On the driver, `Watch` follows the process id of every restartable actor (Ray restarts them: `max_restarts` in
+  rayrl.cluster). A new pid is a restart, which `recover` finishes: an engine is started and gets the current
+  weights, the Gateway listens again on its port, the TaskQueue is refilled with every task not yet collected (the
+  driver's ledger, rayrl.train.Feeder). A role that gives no pid for `trainer.recover_timeout` s raises `RoleLost`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import httpx
+import ray
+
+from rayrl import weight_sync
+from rayrl.sandbox.result import SandboxUnavailable
+
+# Actor class -> role, for a RayActorError raised inside an agent (its message names the class).
+_CLASSES = {"SandboxActor": "sandbox", "Gateway": "gateway", "Engine": "engine", "Reward": "reward",
+            "TaskQueue": "queue"}
+
+
+class InfraError(Exception):
+    """An episode failed because `role`, an actor it needs, died or did not answer: the task is re-run."""
+
+    def __init__(self, role: str, text: str):
+        super().__init__(f"{role}: {text}")
+        self.role = role
+
+
+class RoleLost(ConnectionError):
+    """A role died and did not come back within trainer.recover_timeout (printed as `rayrl: <this>`)."""
+
+    def __init__(self, role: str, timeout: float):
+        super().__init__(f"{role} died and did not come back within trainer.recover_timeout={timeout:g}s")
+        self.role = role
+
+
+def infra_role(e: BaseException) -> str | None:
+    """The role whose death or silence `e` (raised in an agent) comes from, or None for the agent's own failure.
+    Infrastructure: a dead or unreachable actor (RayActorError), the sandbox service down (SandboxUnavailable), the
+    Gateway unreachable (a transport error, no HTTP answer), or its 5xx (the engine behind it failed or did not
+    answer in time)."""
+    import openai
+
+    seen = set()
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, InfraError):
+            return e.role
+        if isinstance(e, SandboxUnavailable):  # the sandbox service (E2B) failed, its retries did not help
+            return "sandbox"
+        if isinstance(e, ray.exceptions.RayActorError):
+            return next((role for cls, role in _CLASSES.items() if cls in str(e)), "actor")
+        if isinstance(e, (httpx.TransportError, openai.APIConnectionError)):
+            return "gateway"
+        if isinstance(e, openai.APIStatusError) and e.status_code >= 500:
+            return "engine"
+        e = e.cause if isinstance(e, ray.exceptions.RayTaskError) and e.cause is not None else (
+            e.__cause__ or e.__context__)
+    return None
+
+
+def _pid(_actor) -> int:
+    return os.getpid()
+
+
+class Watch:
+    """The process id of each named actor handle, polled: a new pid is a restart (`poll` returns the names); an actor
+    that has not answered for `timeout` s is a lost role (`poll` raises RoleLost)."""
+
+    def __init__(self, handles: dict[str, object], timeout: float, clock=time.monotonic):
+        self.handles, self.timeout, self._clock = handles, timeout, clock
+        self.pids: dict[str, int] = {}
+        self._calls: dict[str, object] = {}  # name -> its pid call in flight
+        self._last_ok = dict.fromkeys(handles, clock())  # name -> when it last answered
+
+    def poll(self, wait: float = 0.0) -> list[str]:
+        """Take the answers that came since the last poll (waiting up to `wait` s for them) and ask again; returns the
+        names that restarted since they last answered."""
+        self._ask()
+        refs = list(self._calls.values())
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=wait, fetch_local=True)
+        ready, restarted = set(ready), []
+        for name, ref in list(self._calls.items()):
+            if ref not in ready:
+                continue
+            del self._calls[name]
+            try:
+                pid = ray.get(ref, timeout=10)
+            except ray.exceptions.RayError:  # died (a restart may follow: asked again below) or gone for good
+                continue
+            if self.pids.get(name, pid) != pid:
+                restarted.append(name)
+            self.pids[name] = pid
+            self._last_ok[name] = self._clock()
+        self._ask()  # answered by the next poll
+        now = self._clock()
+        for name, t in self._last_ok.items():
+            if now - t > self.timeout:
+                raise RoleLost(name, self.timeout)
+        return restarted
+
+    def _ask(self) -> None:
+        for name, h in self.handles.items():
+            if name not in self._calls:
+                self._calls[name] = h.__ray_call__.remote(_pid)
+
+
+def recover(cfg, actors, restarted: list[str], tasks: list, version: int) -> None:
+    """Finish the restart of each role in `restarted` (Watch names): an engine starts and gets the learners' weights
+    at `version`, the Gateway listens again on its port, the queue gets `tasks` (every task not yet collected) back.
+    The RewardActor and the sandboxes are stateless: nothing to do."""
+    for name in restarted:
+        role, _, idx = name.partition("/")
+        if role == "engine":
+            eng = actors.engines[int(idx)]
+            ray.get(eng.start.remote(), timeout=cfg.engine.sync_timeout + 600)
+            if version:
+                weight_sync.push(actors.weight_sync, actors.learners, [eng], version, cfg.engine.sync_timeout)
+        elif role == "gateway":
+            ray.get(actors.gateway.start.remote(port=actors.gateway_port), timeout=120)
+        elif role == "queue" and tasks:
+            ray.get(actors.queue.put.remote(tasks), timeout=60)
+        what = {"engine": f"started, weights of policy version {version} pushed", "gateway": "listening again",
+                "queue": f"{len(tasks)} uncollected tasks put back"}.get(role, "stateless, nothing to restore")
+        print(f"rayrl: {name} died and was restarted ({what})", file=sys.stderr)  # noqa: T201

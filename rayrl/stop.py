@@ -1,0 +1,45 @@
+"""Stopping a driver by signal: SIGTERM (what `ray job stop` and Kubernetes send) and SIGINT (Ctrl-C) become a `Stopped`
+exception in the main thread, so the driver's `finally` stops the actors, writes the trace and closes the logger, and
+`rayrl` prints one line and exits 128 + the signal (143, 130).
+
+`install` must run after `ray.init()`, which installs handlers of its own (a local cluster's kills the node and exits
+1; Ray's driver handler calls sys.exit); `cluster.connect` calls it.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class Stopped(BaseException):  # not an Exception: `except Exception` must not swallow a stop
+    """The run was stopped by signal `signum`; the driver sets `step` (steps completed) as it unwinds."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+        self.step: int | None = None
+
+    @property
+    def name(self) -> str:
+        return signal.Signals(self.signum).name
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+
+def install() -> None:
+    """SIGTERM and SIGINT raise `Stopped` in the main thread (a no-op elsewhere: only it can set handlers)."""
+    if threading.current_thread() is threading.main_thread():
+        for sig in SIGNALS:
+            signal.signal(sig, _raise)
+
+
+def _raise(signum: int, frame) -> None:
+    # The first signal unwinds (the cleanup takes seconds); a second one ends the process at once.
+    for sig in SIGNALS:
+        signal.signal(sig, signal.SIG_DFL)
+    raise Stopped(signum)
