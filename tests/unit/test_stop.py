@@ -15,7 +15,8 @@ import pytest
 from tests.helpers import ROOT
 
 DRIVER = """
-import os, sys, time
+import os, signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)  # as under a terminal: a background job starts with it ignored
 from rayrl import checkpoint, stop
 from rayrl.cli import run_driver
 from rayrl.config import load_config
