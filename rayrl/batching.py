@@ -65,7 +65,8 @@ def shard(groups: list[list[Trajectory]], advs: list[list[float]], world: int,
         idx = order[r::world]
         b = TrainBatch(prompt_ids=[flat[i].prompt_ids for i in idx], response_ids=[flat[i].response_ids for i in idx],
                        loss_mask=[flat[i].loss_mask for i in idx], advantages=[advs[i] for i in idx],
-                       global_tokens=tokens, global_seqs=len(flat), rollout_logprobs=[flat[i].logprobs for i in idx])
+                       global_tokens=tokens, global_seqs=len(flat),
+                       rollout_logprobs=[_engine_lps(flat[i]) for i in idx])
         while len(b) < per_rank:  # pad with a masked copy of a real row
             j = order[-1]
             b.prompt_ids.append(flat[j].prompt_ids)
@@ -75,6 +76,11 @@ def shard(groups: list[list[Trajectory]], advs: list[list[float]], world: int,
             b.rollout_logprobs.append([0.0] * len(flat[j].loss_mask))
         out.append(b)
     return out
+
+
+def _engine_lps(t) -> list[float]:
+    """A trajectory's engine log-probs; zeros for an SFT example, which has none."""
+    return getattr(t, "logprobs", None) or [0.0] * len(t.loss_mask)
 
 
 def rollout_correction(minibatches: list[list[TrainBatch]], olds: list[list[list[list[float]]]],
