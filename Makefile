@@ -12,7 +12,7 @@ train: install
 test: install
 	ruff check rayrl tests bench examples
 	python -m pytest -q -ra -m unit
-	python -m pytest -q -ra -m "integration or e2e or gpu or chaos"
+	python -m pytest -q -ra --durations=20 -m "integration or e2e or gpu or chaos"
 
 bench: install
 	python bench/queue_vs_redis.py

@@ -72,9 +72,11 @@ def sft(cfg: Config) -> dict:
             summary["hf"] = hf_dir
         log.info(f"done: {summary.get('step', step)} steps. checkpoint: {summary.get('checkpoint', '-')}  "
                  f"Hugging Face model: {summary.get('hf', '-')}")
-    except stop.Stopped as e:  # SIGTERM / Ctrl-C (rayrl.stop): the caller says where the run stopped
-        e.step = step
-        raise
+    except BaseException as e:  # SIGTERM / Ctrl-C (rayrl.stop): the caller says where the run stopped
+        if (stopped := stop.found(e)) is None:
+            raise
+        stopped.step = step
+        raise stopped from None
     finally:
         if log is not None:
             log.close()

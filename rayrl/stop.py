@@ -43,3 +43,15 @@ def _raise(signum: int, frame) -> None:
     for sig in SIGNALS:
         signal.signal(sig, signal.SIG_DFL)
     raise Stopped(signum)
+
+
+def found(exc: BaseException) -> Stopped | None:
+    """The `Stopped` behind `exc`, or None. A signal that lands while Ray's C code runs a Python callback (deserialising
+    a result inside `ray.get`) surfaces as a SystemError caused by the `Stopped`."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, Stopped):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None

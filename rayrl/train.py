@@ -105,9 +105,11 @@ def train(cfg: Config) -> dict:
         log.info(f"done: {summary.get('step', step)} steps. checkpoint: {summary.get('checkpoint', '-')}  "
                  f"Hugging Face model: {summary.get('hf', '-')}"
                  + (f"  trace: {t.output_dir}/trace.json" if t.trace else ""))
-    except stop.Stopped as e:  # SIGTERM / Ctrl-C (rayrl.stop): the caller says where the run stopped
-        e.step = step
-        raise
+    except BaseException as e:  # SIGTERM / Ctrl-C (rayrl.stop): the caller says where the run stopped
+        if (stopped := stop.found(e)) is None:
+            raise
+        stopped.step = step
+        raise stopped from None
     finally:
         if log is not None:
             log.close()

@@ -29,11 +29,18 @@ def driver(cfg):
     try:
         print("ready", flush=True)
         while True:
-            time.sleep(0.05)
+            try:
+                time.sleep(0.05)
+            except stop.Stopped as s:  # as Ray's deserializer reports a signal that lands in its Python callback
+                if {wrap}:
+                    raise SystemError("<built-in method __new__> returned a result with an exception set") from s
+                raise
             step += 1
-    except stop.Stopped as e:
-        e.step = step
-        raise
+    except BaseException as e:  # as train.py and sft.py unwind
+        if (stopped := stop.found(e)) is None:
+            raise
+        stopped.step = step
+        raise stopped from None
     finally:
         open(os.path.join(cfg.trainer.output_dir, "finally-ran"), "w").close()
 
@@ -41,8 +48,8 @@ sys.exit(run_driver(driver, load_config(None, ["trainer.output_dir={out}"], chec
 """
 
 
-def _run(tmp_path, sig: int, install: bool = True) -> tuple[int, str]:
-    code = DRIVER.format(out=tmp_path, install="stop.install()" if install else "")
+def _run(tmp_path, sig: int, install: bool = True, wrap: bool = False) -> tuple[int, str]:
+    code = DRIVER.format(out=tmp_path, install="stop.install()" if install else "", wrap=wrap)
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          env={**os.environ, "PYTHONPATH": ROOT})
     assert p.stdout.readline().strip() == "ready", p.communicate()
@@ -52,9 +59,10 @@ def _run(tmp_path, sig: int, install: bool = True) -> tuple[int, str]:
     return p.returncode, err
 
 
+@pytest.mark.parametrize("wrap", [False, True], ids=["plain", "inside-ray-get"])
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_signal_unwinds_the_driver(tmp_path, sig):
-    rc, err = _run(tmp_path, sig)
+def test_signal_unwinds_the_driver(tmp_path, sig, wrap):
+    rc, err = _run(tmp_path, sig, wrap=wrap)
     assert rc == 128 + sig, err
     lines = err.strip().splitlines()
     assert len(lines) == 1, err  # no traceback
