@@ -77,8 +77,10 @@ class Engine:
         versions: list[int] = []
         part = 0
         while True:
-            await self._awake.wait()  # asleep: the request waits for the wake instead of failing
-            await self._open.wait()  # a weight update is under way
+            # asleep: the request waits for the wake instead of failing; a weight update under way: for its end
+            while not (self._awake.is_set() and self._open.is_set()):
+                await self._awake.wait()
+                await self._open.wait()
             version, sub = self.version, request_id if part == 0 else f"{request_id}+{part}"
             self._running[request_id] = sub
             try:
@@ -97,15 +99,16 @@ class Engine:
 
     async def sleep(self, level: int) -> float:
         """Free the GPU memory the engine holds (vLLM sleep mode): the KV cache, and the weights (level 1: offloaded
-        to CPU memory, level 2: discarded). Requests in flight finish first; new ones wait for wake_up. Seconds."""
+        to CPU memory, level 2: discarded). Requests running on the backend finish first; those that arrive
+        meanwhile wait for wake_up. Seconds."""
         t0 = time.perf_counter()
         self._awake.clear()
         deadline = time.monotonic() + self.cfg.sync_timeout
-        while self.inflight and time.monotonic() < deadline:
+        while self._running and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        if self.inflight:
+        if self._running:
             self._awake.set()
-            raise TimeoutError(f"{self.name}: {self.inflight} requests still running after "
+            raise TimeoutError(f"{self.name}: {len(self._running)} requests still running after "
                                f"engine.sync_timeout={self.cfg.sync_timeout:g}s; not going to sleep")
         await self._sync(self._backend.sleep(level), None, f"sleep (level {level})")
         self.asleep_tags = {"weights", "kv_cache"}
@@ -146,10 +149,9 @@ class Engine:
         """No request runs on the backend: with engine.partial_rollout each running one stops at a token boundary
         (it continues after the update); without, they run to their end. Bounded by engine.sync_timeout."""
         if self.cfg.partial_rollout and self._running:
-            subs = list(self._running.values())
-            self._preempted.update(subs)
-            self.preemptions += len(subs)
-            await self._backend.preempt(subs)
+            self._preempted.update(self._running.values())
+            self.preemptions += len(self._running)
+            await self._backend.preempt()
         deadline = time.monotonic() + self.cfg.sync_timeout
         while self._running:
             if time.monotonic() > deadline:
@@ -243,7 +245,7 @@ class _VLLM:
     async def abort(self, request_id: str) -> None:
         await self.llm.abort(request_id)
 
-    async def preempt(self, request_ids: list[str]) -> None:
+    async def preempt(self) -> None:
         """Stop every running request for a weight update, each returning the tokens sampled so far (vLLM's
         pause_generation for RL: an engine-side abort, which, unlike a client's abort, still delivers the final
         output), then let new requests run again (they wait on the Engine until the update ends)."""
@@ -343,7 +345,7 @@ class _HF:
     async def abort(self, request_id: str) -> None:
         pass  # one request at a time in a thread: it runs to its end (max_tokens bounds it)
 
-    async def preempt(self, request_ids: list[str]) -> None:
+    async def preempt(self) -> None:
         pass  # likewise: a weight update waits for the running request
 
     async def sleep(self, level: int) -> None:

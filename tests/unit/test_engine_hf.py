@@ -38,3 +38,29 @@ def test_hf_backend_generates_and_reloads(tiny_model):
     ref = lp.gather(-1, torch.tensor(after.token_ids)[:, None])[:, 0]
     assert torch.allclose(ref, torch.tensor(after.logprobs), atol=1e-4)
     assert before.logprobs != after.logprobs
+
+
+def test_sleep_does_not_wait_for_requests_that_arrive_asleep(tiny_model):
+    """A request that arrives while the engine goes to sleep waits for the wake; the sleep does not wait for it (it
+    would until engine.sync_timeout), and the request then runs on the woken engine."""
+    engine = Engine(tiny_model, EngineConfig(backend="hf", sync_timeout=30))
+
+    async def go():
+        await engine.start()
+        running = asyncio.create_task(engine.generate([5, 17, 33], Sampling(max_tokens=4, temperature=0.0)))
+        while not engine._running:  # on the backend now
+            await asyncio.sleep(0)
+        sleeping = asyncio.create_task(engine.sleep(1))
+        await asyncio.sleep(0.01)
+        late = asyncio.create_task(engine.generate([5, 17, 33], Sampling(max_tokens=4, temperature=0.0)))
+        slept = await asyncio.wait_for(sleeping, 10)  # the running request finished; the late one waits
+        first = await asyncio.wait_for(running, 30)
+        assert not late.done() and engine.inflight == 1 and engine.asleep_tags == {"weights", "kv_cache"}
+        await engine.wake_up()
+        second = await asyncio.wait_for(late, 30)
+        await engine.shutdown()
+        return slept, first, second
+
+    slept, first, second = asyncio.run(go())
+    assert slept < 10 and len(first.token_ids) == len(second.token_ids) == 4
+    assert first.token_ids == second.token_ids  # greedy, same weights after the wake
