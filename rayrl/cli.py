@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from rayrl import machine
 from rayrl.config import ConfigError, check_sft, load_config
 
 
@@ -17,7 +18,8 @@ def main(argv: list[str] | None = None) -> int:
               "       rayrl export-hf CHECKPOINT_DIR -o OUT_DIR [--model PATH] [--dtype DTYPE]\n"
               "       rayrl serve MODEL_DIR [--port 8000] [--served-model-name NAME] [-- vllm serve args]\n"
               "       rayrl make-model SHAPE OUT_DIR [--dtype bfloat16] [--untied]   (random-init seed shapes)\n\n"
-              "`rayrl train` with no arguments runs the embedded default job (SmolLM2-135M, GRPO, arithmetic, CPU).\n"
+              "`rayrl train` with no arguments runs the embedded default job (SmolLM2-135M, GRPO, arithmetic; on\n"
+              "the first GPU where `nvidia-smi -L` lists one, else on CPU; RAYRL_DEVICE=cpu|cuda decides).\n"
               "Actors' and engines' own output goes to OUTPUT_DIR/logs/; --verbose (trainer.verbose=true) shows it.")
         return 0 if argv else 2
     cmd, rest = argv[0], argv[1:]
@@ -54,15 +56,26 @@ def main(argv: list[str] | None = None) -> int:
 
 def train_main(argv: list[str]) -> int:
     """`rayrl train [JOB.yaml] [section.key=value ...]`: the config is checked before ray, torch and verl load."""
-    path = argv[0] if argv and "=" not in argv[0] else None
     try:
-        cfg = load_config(path, argv[1:] if path is not None else argv)
+        cfg, on_gpu = train_config(argv)
     except ConfigError as e:
         print(f"rayrl: config error: {e}", file=sys.stderr)
         return 2
+    if on_gpu:
+        print(f"rayrl: the default job on the GPU ({' '.join(machine.GPU_LAYOUT)}); RAYRL_DEVICE=cpu keeps it on CPU")
     from rayrl.train import train  # seconds of imports (ray, torch, verl): only for a config that can run
 
     return run_driver(train, cfg)
+
+
+def train_config(argv: list[str]):
+    """`rayrl train`'s arguments -> (the checked Config, whether it is the default job on a GPU). The default job on
+    a machine with a CUDA GPU puts engine and learner on the first GPU (rayrl.machine); a job file says its own."""
+    path = argv[0] if argv and "=" not in argv[0] else None
+    if path is not None:
+        return load_config(path, argv[1:]), False
+    on_gpu = machine.kind() == "cuda"
+    return load_config(None, [*machine.GPU_LAYOUT, *argv] if on_gpu else argv), on_gpu
 
 
 def sft_main(argv: list[str]) -> int:
