@@ -89,7 +89,9 @@ def train(cfg: Config) -> dict:
                 colo.update(colocate.to_rollout(cfg, actors, functools.partial(sync_weights, cfg, actors, version)))
                 sync_s = colo.pop("sync/seconds")
                 if val_rows and t.test_freq and step % t.test_freq == 0:
+                    v0 = time.perf_counter()
                     val = validate(cfg, actors, val_rows, version, step, log, decode)
+                    val["time/val_s"] = time.perf_counter() - v0  # inside time/step_s
                 m = step_metrics(trajs, groups, dropped, learn, t_rollout, sync_s, version, time.perf_counter() - t0)
                 m.update(phase_shares(trajs, w0, w0 + t_rollout, learn.get("time/learner_s", 0.0), sync_s,
                                       m["time/step_s"]))

@@ -14,7 +14,9 @@ Parts (each appends one JSON line to DIR/bench.jsonl and prints a table line):
 - sync05: the same two syncs for a random-init Qwen2.5-0.5B-shaped model (untied lm_head).
 - syncseed --shape qwen3-4b:tied|qwen2.5-7b:-: cuda_ipc alone on a seed shape (bench_seed.model_dir), the buffer
           kept open (engines awake) and per sync (sleeping engines: opened, loaded, closed, freed by the learner's
-          offload), each after an optimizer step (--optimizer-offload: AdamW state in CPU memory between steps).
+          offload), each after an optimizer step (--optimizer-offload: AdamW state in CPU memory between steps;
+          --sleep-level N: the engine asleep during the step, as a colocated job, for shapes whose step does not fit
+          beside an awake engine: Qwen2.5-7B).
 - learner: the learner's training throughput / MFU on that model: padding-free packed rows (varlen flash
           attention, rayrl/attention.py), eager or with learner.compile at token budgets (--variants); profiles
           (GPU time by kernel kind, ops by input shape, a chrome trace).
@@ -232,7 +234,8 @@ async def _engine(path, args):
     from rayrl.engine import Engine
 
     cfg = EngineConfig(backend="vllm", gpus_per_engine=1, max_model_len=1024, gpu_memory_utilization=args.gpu_mem,
-                       enforce_eager=args.eager, max_num_seqs=args.max_num_seqs)
+                       enforce_eager=args.eager, max_num_seqs=args.max_num_seqs,
+                       sleep_level=getattr(args, "sleep_level", 0))
     eng = Engine(path, cfg, dtype="bfloat16", seed=0)
     t0 = time.perf_counter()
     await eng.start()
@@ -453,20 +456,28 @@ async def part_syncseed(args) -> None:
         sender.keep_open = keep_open  # what engine.sleep_level sets at construction (0: kept open)
         if not keep_open:
             sender.release()
+        if args.sleep_level and keep_open:
+            continue  # beside a sleeping engine the buffer lives for the sync only (what colocated jobs do)
         runs = []
         for r in range(args.reps):
+            if args.sleep_level:  # as rayrl.colocate: the engine frees the GPU for the update, then takes it back
+                await eng.sleep(args.sleep_level)
             ln.train_step(batch)
+            if args.sleep_level:
+                await eng.wake_up(["weights"])
             run = await ipc_sync(ln, eng, 100 + r + (0 if keep_open else 50))
             t0 = time.perf_counter()
             ln.offload()  # per_sync: frees the buffer the engine closed (no parameter offload here)
             run["release_s"] = time.perf_counter() - t0
+            if args.sleep_level:
+                await eng.wake_up(["kv_cache"])
             run["allocated_gib_after"] = torch.cuda.memory_allocated() / 2**30
             runs.append(run)
         steady = sorted(x["total_s"] for x in runs[1:])
         out[f"{mode}_runs"] = runs
         out[f"{mode}_total_s_median"] = steady[len(steady) // 2]
         out[f"{mode}_logprob"] = await logprob_agreement(eng, ln, ps[:16])
-    out["bytes"] = out["kept_open_runs"][0]["bytes"]
+    out["bytes"] = out["per_sync_runs"][0]["bytes"]
     out["d2d_copy_s"] = d2d_seconds(out["bytes"])
     emit("syncseed", **out)
     await eng.shutdown()
@@ -582,6 +593,9 @@ def main() -> int:
     ap.add_argument("--shape", default="qwen3-4b:tied", help="syncseed: SHAPE:TIE as in bench_seed.py")
     ap.add_argument("--reps", type=int, default=5, help="syncseed: syncs per mode (the first is reported apart)")
     ap.add_argument("--optimizer-offload", action="store_true", help="syncseed: AdamW state in CPU memory")
+    ap.add_argument("--sleep-level", type=int, default=0,
+                    help="syncseed: the engine sleeps (vLLM sleep mode, this level) around each optimizer step and "
+                         "wakes its weights for the sync, as colocated jobs do (then only the per-sync buffer runs)")
     ap.add_argument("--variants", default="eager:32768,compile:32768:learner_profile.txt,compile:49152",
                     help="learner: eager|compile|compile-dynamic|compile-repeat:token budget[:profile file], "
                          "comma-separated")

@@ -1,0 +1,104 @@
+"""Async RL's speed-up on a multi-turn tool job: the same job for the same number of trained samples at
+`algo.max_staleness` 0, 1 and 2, with and without partial rollouts (`engine.partial_rollout`), one `rayrl train`
+process each, in the same call. Per run: training wall time (the steps' `time/step_s`, validation excluded),
+its ratio to the synchronous run of this call, the accelerator-busy share (generate + learner + weight sync of the
+step's wall time, from the step lines' phase shares), the policy-version span within trajectories, and the final
+validation accuracy (one validation after the last step).
+
+    python bench/async_speedup.py                                  # jobs/retool_tiny.yaml (the SFT'd tiny model)
+    python bench/async_speedup.py --runs s0,s1p --steps 3 -- rollout.n=2
+    python bench/async_speedup.py --job jobs/retool_tiny.yaml --out /tmp/async -- model.dtype=bfloat16 \\
+        engine.gpus_per_engine=0.4 engine.gpu_memory_utilization=0.3 learner.gpus_per_worker=0.5   # one GPU
+
+Run names: s<staleness> (partial rollouts off), s<staleness>p (on). The first run is the peer the ratios divide by.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+RUNS = "s0,s1,s1p,s2,s2p"
+
+
+def run_overrides(name: str) -> list[str]:
+    """`s1p` -> staleness 1 with partial rollouts."""
+    partial = name.endswith("p")
+    staleness = name[1:-1] if partial else name[1:]
+    if not name.startswith("s") or not staleness.isdigit():
+        raise SystemExit(f"async_speedup: run {name!r}: expected s<staleness> or s<staleness>p, e.g. s0, s1p")
+    return [f"algo.max_staleness={staleness}", f"engine.partial_rollout={str(partial).lower()}"]
+
+
+def summarize(metrics_path: str) -> dict:
+    """The figures of one run from its metrics.jsonl."""
+    with open(metrics_path) as f:
+        steps = [m for m in map(json.loads, f) if m.get("step", 0) > 0 and "time/step_s" in m]
+    if not steps:
+        return {}
+    wall = sum(m["time/step_s"] - m.get("time/val_s", 0.0) for m in steps)
+    busy = [m.get("time/share_generate", 0) + m.get("time/share_learner", 0) + m.get("time/share_sync", 0)
+            for m in steps]
+    acc = next((v for k, v in sorted(steps[-1].items()) if k.startswith("val-core/") and "/acc/mean@" in k), None)
+    return {"steps": len(steps), "wall_s": wall, "busy_share": sum(busy) / len(busy),
+            "version_span_max": max(m.get("policy/version_span_max", 0) for m in steps),
+            "mixed_version_share": sum(m.get("policy/mixed_version_share", 0) for m in steps) / len(steps),
+            "reward": steps[-1].get("reward/mean"), "val_acc": acc}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--job", default="jobs/retool_tiny.yaml")
+    p.add_argument("--runs", default=RUNS, help=f"comma-separated run names (default {RUNS}); the first is the peer")
+    p.add_argument("--steps", type=int, default=4, help="training steps of every run (same trained samples)")
+    p.add_argument("--out", default="outputs/async_speedup")
+    p.add_argument("--val", default="reasoning_gym:basic_arithmetic", help="validation source (after the last step)")
+    p.add_argument("--val-size", type=int, default=32)
+    p.add_argument("--timeout", type=float, default=3600, help="seconds per run")
+    p.add_argument("overrides", nargs="*", help="section.key=value for every run (after --)")
+    a = p.parse_args(argv)
+    names = a.runs.split(",")
+    for name in names:
+        run_overrides(name)  # a bad name fails before any run starts
+    rows = []
+    for name in names:
+        out = os.path.join(a.out, name)
+        cmd = [sys.executable, "-m", "rayrl.train", a.job, *run_overrides(name), f"trainer.total_steps={a.steps}",
+               f"trainer.output_dir={out}", "trainer.resume=disable", "trainer.save_freq=0",
+               "trainer.save_interval_s=0", "trainer.export_hf=false", f"trainer.test_freq={a.steps}",
+               "trainer.val_before_train=false", f"data.val_source=[{a.val}]", f"data.val_size={a.val_size}",
+               *a.overrides]
+        os.makedirs(out, exist_ok=True)
+        print(f"async_speedup: {name}: {' '.join(cmd[2:])}", flush=True)
+        t0 = time.perf_counter()
+        with open(os.path.join(out, "console.log"), "w") as log:
+            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=a.timeout).returncode
+        row = {"run": name, "rc": rc, "process_s": time.perf_counter() - t0}
+        metrics = os.path.join(out, "metrics.jsonl")
+        row.update(summarize(metrics) if os.path.exists(metrics) else {})
+        rows.append(row)
+        print(f"async_speedup: {json.dumps(row)}", flush=True)
+    with open(os.path.join(a.out, "results.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    peer = rows[0].get("wall_s")
+    print(f"\n| run | exit | steps | training wall s | vs {rows[0]['run']} | busy share | version span max | "
+          "mixed-version trajectories | final reward | val acc |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        ratio = f"{r['wall_s'] / peer:.2f}x" if peer and r.get("wall_s") else "-"
+        print(f"| {r['run']} | {r['rc']} | {r.get('steps', 0)} | {_fmt(r, 'wall_s', '.1f')} | {ratio} | "
+              f"{_fmt(r, 'busy_share', '.0%')} | {r.get('version_span_max', '-')} | "
+              f"{_fmt(r, 'mixed_version_share', '.0%')} | {_fmt(r, 'reward', '.3f')} | {_fmt(r, 'val_acc', '.3f')} |")
+    return 0 if all(r["rc"] == 0 for r in rows) else 1
+
+
+def _fmt(row: dict, key: str, spec: str) -> str:
+    return format(row[key], spec) if row.get(key) is not None else "-"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
