@@ -5,6 +5,7 @@ collected, lost and duplicated, and the failed trajectories (an actor's death mu
 
     python bench/chaos.py                         # 20 faults, SmolLM2-135M on CPU
     python bench/chaos.py --faults 6 --model /path/to/hf --seed 1
+    python bench/chaos.py --faults 12 --model tiny   # the tests' tiny random Qwen2: seconds a step on 2 cores
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from rayrl.config import load_config  # noqa: E402
-from rayrl.models import resolve_model  # noqa: E402
+from rayrl.models import make_tiny_model, resolve_model  # noqa: E402
 from rayrl.train import train  # noqa: E402
 from tests.chaos import roles  # noqa: E402
 
@@ -35,7 +36,7 @@ ROLES = ["rayrl/rollout/0", "rayrl/reward/0", "rayrl/sandbox/0", "rayrl/queue", 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--faults", type=int, default=20)
-    ap.add_argument("--model", default="smollm2")
+    ap.add_argument("--model", default="smollm2", help="smollm2, tiny (the tests' random Qwen2) or a HF folder")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--n", type=int, default=4)
@@ -44,10 +45,11 @@ def main() -> int:
     rng = random.Random(args.seed)
     out = args.out or tempfile.mkdtemp(prefix="rayrl-chaos-")
     steps = args.faults + 1
+    model = make_tiny_model(os.path.join(out, "tiny-qwen2")) if args.model == "tiny" else resolve_model(args.model)
     ray.init(num_cpus=max(8, 4 * (os.cpu_count() or 2)), include_dashboard=False, namespace="rayrl-chaos",
              runtime_env={"env_vars": {"PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}})
     cfg = load_config(None, [f"{k}={v}" for k, v in {
-        "model.path": resolve_model(args.model), "trainer.output_dir": out, "trainer.total_steps": steps,
+        "model.path": model, "trainer.output_dir": out, "trainer.total_steps": steps,
         "trainer.batch_size": args.batch_size, "rollout.n": args.n, "trainer.export_hf": False,
         "rollout.max_response_length": 32, "engine.kv_cache_gb": 1, "engine.max_model_len": 512,
         "data.max_prompt_length": 192, "gateway.port": 0, "reward.timeout": 5,

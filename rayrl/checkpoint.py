@@ -57,10 +57,33 @@ def commit(tmp: str, step: int, state: dict[str, Any], keep: int = 2) -> str:
         shutil.rmtree(final)
     os.rename(tmp, final)
     _fsync(base)
-    done = sorted(int(d[5:]) for d in os.listdir(base) if d.startswith("step_") and d[5:].isdigit())
-    for old in done[:-keep] if keep > 0 else []:
-        shutil.rmtree(os.path.join(base, f"step_{old}"), ignore_errors=True)
+    old, newer = stale(base, step, keep)
+    for k in old:
+        shutil.rmtree(os.path.join(base, f"step_{k}"), ignore_errors=True)
+    for k in newer:  # kept, out of `latest`'s way
+        os.rename(os.path.join(base, f"step_{k}"), os.path.join(base, f"abandoned_step_{k}"))
     return final
+
+
+def stale(base: str, step: int, keep: int) -> tuple[list[int], list[int]]:
+    """Once `step_<step>` is committed: the complete checkpoints in `base` to remove (older than the `keep` newest by
+    step number, step_9 before step_10; `keep` <= 0: none), and those newer than it, to set aside as
+    `abandoned_step_<k>`. A newer one is of a history this run left by resuming from an older checkpoint: left as it
+    is, `latest` (resume=auto) would pick it over this run's; removed, a user's work would be lost. Dirs without
+    COMPLETE are never loaded and never counted or touched here."""
+    done = sorted(int(m.group(1)) for d in os.listdir(base) if (m := re.fullmatch(r"step_(\d+)", d))
+                  and os.path.exists(os.path.join(base, d, MARKER)))
+    older = [s for s in done if s < step]
+    remove = older[: max(0, len(older) - (keep - 1))] if keep > 0 else []
+    return remove, [s for s in done if s > step]
+
+
+def due(step: int, total_steps: int, save_freq: int, save_interval_s: float, since_save_s: float) -> bool:
+    """Whether to checkpoint after `step`: at the end, every `save_freq` steps, and once `save_interval_s` seconds
+    have passed since the last save (or the run's start) — so a crash loses at most save_freq steps or
+    save_interval_s seconds plus one step. 0 turns either off."""
+    return (step == total_steps or (save_freq > 0 and step % save_freq == 0)
+            or (save_interval_s > 0 and since_save_s >= save_interval_s))
 
 
 def _fsync_tree(top: str) -> None:

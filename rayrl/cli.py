@@ -97,11 +97,17 @@ def run_driver(driver, cfg) -> int:
     """Run `rayrl train`'s or `rayrl sft`'s driver; the exit code. SIGTERM (`ray job stop`) and Ctrl-C unwind the
     driver (rayrl.stop), whose `finally` stops the actors and writes the trace: one line, exit 143 / 130. Errors found
     after the CLI's config check (a bad data row, a cluster without the GPUs, no cluster at the address) are one line:
-    exit 2 (config, data) or 1 (connection)."""
+    exit 2 (config, data) or 1 (connection). An actor that failed, died or was lost for good is one line naming it,
+    its error's last line and its log file (rayrl.logs.failure): exit 1."""
+    import traceback
+
+    from rayrl import logs
     from rayrl.checkpoint import latest
     from rayrl.data import DataError
+    from rayrl.recovery import RoleLost
     from rayrl.stop import Stopped
 
+    folder = logs.log_dir(cfg.trainer.output_dir, cfg.trainer.verbose)
     try:
         driver(cfg)
     except Stopped as e:
@@ -114,8 +120,18 @@ def run_driver(driver, cfg) -> int:
     except (ConfigError, DataError) as e:
         print(f"rayrl: {'config' if isinstance(e, ConfigError) else 'data'} error: {e}", file=sys.stderr)
         return 2
+    except RoleLost as e:  # Ray could not restart it: why is in its log
+        print(f"rayrl: {e}{logs.where(folder, 'rayrl/' + e.role)}", file=sys.stderr)
+        return 1
     except ConnectionError as e:
         print(f"rayrl: {e}", file=sys.stderr)
+        return 1
+    except Exception as e:
+        if (line := logs.failure(e, folder)) is None:
+            raise
+        if cfg.trainer.verbose:  # everything: the driver's traceback too
+            traceback.print_exc()
+        print(f"rayrl: {line}", file=sys.stderr)
         return 1
     return 0
 

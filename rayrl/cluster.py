@@ -11,6 +11,7 @@ and learner rank i in bundle i (see `colocated`).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import socket
@@ -158,6 +159,19 @@ def _in(groups: dict, role: str, i: int) -> dict:
 _RESTART = {"max_restarts": -1}
 
 
+class ByName(list):
+    """Actor handles that travel as their names and are looked up again where they arrive (in the job's namespace).
+    A restartable actor gets its peers so: Ray cannot restore actor handles or object refs in the constructor arguments
+    of an actor it restarts, and warns on the console for each such actor (ray-project/ray#53727)."""
+
+    def __init__(self, names: list[str]):
+        super().__init__(ray.get_actor(n) for n in names)
+        self.names = names
+
+    def __reduce__(self):
+        return ByName, (self.names,)
+
+
 def start(cfg: Config, model_path: str) -> Actors:
     groups = reserve(cfg)
     # Ray restarts these when they die (the driver finishes the job: rayrl.recovery); a call in flight on the
@@ -197,7 +211,8 @@ def start(cfg: Config, model_path: str) -> Actors:
         # The Gateway runs on the driver's node (the head under `ray job submit`): its URL is what agent services use.
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         actors.gateway = GatewayActor.options(name="rayrl/gateway", num_cpus=0, max_concurrency=10000, **_env(),
-                                              **_RESTART, scheduling_strategy=here).remote(cfg, model_path, engines)
+                                              **_RESTART, scheduling_strategy=here).remote(
+            cfg, model_path, ByName([f"rayrl/engine/{i}" for i in range(len(engines))]))
         url = ray.get(actors.gateway.start.remote(), timeout=120)
         actors.gateway_port = int(url.rpartition(":")[2]) if cfg.gateway.enabled else None
         actors.watch = recovery.Watch({"queue": queue, "gateway": actors.gateway, "reward": reward,
@@ -245,9 +260,14 @@ def start_learners(cfg: Config, model_path: str) -> Actors:
     return actors
 
 
+def worker_name(i: int, gen: int) -> str:
+    """Rollout worker i's actor name; a replacement (generation `gen` > 0) gets a new one."""
+    return f"rayrl/rollout/{i}" + (f".{gen}" if gen else "")
+
+
 def start_worker(actors: Actors, cfg: Config, i: int) -> None:
     gen = actors.generation[i]
-    w = RolloutActor.options(name=f"rayrl/rollout/{i}" + (f".{gen}" if gen else ""), num_cpus=0.25, **_env(),
+    w = RolloutActor.options(name=worker_name(i, gen), num_cpus=0.25, **_env(),
                              resources=cfg.placement.rollout_resources, **_in(actors.groups, "rollout", i),
                              max_concurrency=cfg.rollout.concurrency + 8).remote(
         f"rollout/{i}.{gen}", cfg, actors.queue, actors.gateway, actors.reward, actors.sandboxes)
@@ -256,19 +276,22 @@ def start_worker(actors: Actors, cfg: Config, i: int) -> None:
 
 
 def restart_dead_workers(actors: Actors, cfg: Config) -> list[str]:
-    """A worker whose run() ended (it died) gets its leases re-queued at once and is replaced. Returns their ids."""
+    """A worker whose run() ended (it died) gets its leases re-queued at once and is replaced. Returns the dead
+    workers' actor names."""
     done, _ = ray.wait(actors.runs, num_returns=len(actors.runs), timeout=0)
     dead = []
     for i, ref in enumerate(actors.runs):
         if ref in done:
+            with contextlib.suppress(ray.exceptions.RayError):  # read: Ray prints an error never read as "Unhandled"
+                ray.get(ref, timeout=10)
             wid = f"rollout/{i}.{actors.generation[i]}"
             try:
                 ray.get(actors.queue.release_worker.remote(wid), timeout=60)
             except ray.exceptions.RayActorError:
                 pass  # the queue died too: its successor holds no lease of the dead worker
+            dead.append(worker_name(i, actors.generation[i]))
             actors.generation[i] += 1
             start_worker(actors, cfg, i)
-            dead.append(wid)
     return dead
 
 

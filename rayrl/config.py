@@ -128,7 +128,7 @@ class RolloutCorrectionConfig:
     """verl's algorithm.rollout_correction, decoupled mode: the engines' log-probs (behaviour policy) against the
     learner's recomputed ones before the update (proximal policy); PPO's ratio is current / proximal (AReaL's
     decoupled PPO). Both off (the default) = plain PPO-clip; the mismatch metrics (rollout_corr/...) are logged
-    either way. Needs rollout.temperature 1: the engines report the raw (temperature 1) log-probs."""
+    either way. Any rollout.temperature: the engines report the log-probs of logits / temperature, as the learner's."""
 
     # truncated importance sampling, weight min(proximal / behaviour, rollout_is_threshold) on each token's loss:
     # null = off, token = per token, sequence = one weight per sequence (the product of its token ratios)
@@ -210,6 +210,9 @@ class TrainerConfig:
     seed: int = 1  # data order and generation; engine i samples with seed + i, learner rank r inits with seed + r
     output_dir: str = "outputs/quickstart"  # checkpoints, logs, trace and the exported model go here
     save_freq: int = 10  # save a checkpoint every k steps and at the end (0 = only at the end): a crash loses < k
+    # also save after the first step ending >= this many seconds after the last save (0 = off): a crash loses at most
+    # this much time plus one step, however long the steps are
+    save_interval_s: float = 1800.0
     resume: str = "auto"  # auto | disable | <path to a checkpoint dir>
     export_hf: bool = True  # write the final policy as a Hugging Face folder
     test_freq: int = 0  # validate every k steps (0 = never)
@@ -438,7 +441,7 @@ def _require(ok: bool, msg: str) -> None:
         raise ConfigError(msg)
 
 
-def _check_rollout_correction(c: RolloutCorrectionConfig, temperature: float) -> None:
+def _check_rollout_correction(c: RolloutCorrectionConfig) -> None:
     name = "algo.rollout_correction"
     _require(c.rollout_is in (None, "token", "sequence"),
              f"{name}.rollout_is={c.rollout_is!r} must be null, token or sequence")
@@ -456,9 +459,6 @@ def _check_rollout_correction(c: RolloutCorrectionConfig, temperature: float) ->
         _require(0 < low <= c.rollout_rs_threshold,
                  f"{name}.rollout_rs_threshold_lower ({low}) must be > 0 and <= rollout_rs_threshold "
                  f"({c.rollout_rs_threshold})")
-    _require(not c.enabled or temperature == 1.0,
-             f"{name} needs rollout.temperature=1 (got {temperature}): the engines report temperature-1 log-probs, "
-             "so at another temperature they are not the behaviour policy's")
 
 
 def validate(cfg: Config, check_files: bool = True) -> None:
@@ -474,6 +474,7 @@ def validate(cfg: Config, check_files: bool = True) -> None:
                         ("trainer.val_n", t.val_n)]:
         _require(value >= 1, f"{name} must be >= 1, got {value}")
     _require(t.save_freq >= 0, f"trainer.save_freq must be >= 0, got {t.save_freq}")
+    _require(t.save_interval_s >= 0, f"trainer.save_interval_s must be >= 0 (0 = off), got {t.save_interval_s}")
     _require(r.session_ttl is None or r.session_ttl > r.agent_timeout,
              f"rollout.session_ttl={r.session_ttl} must be > rollout.agent_timeout={r.agent_timeout} (or null)")
     _require(t.log_val_generations >= 0, f"trainer.log_val_generations must be >= 0, got {t.log_val_generations}")
@@ -512,7 +513,7 @@ def validate(cfg: Config, check_files: bool = True) -> None:
         _require(a.max_staleness == 0, f"engine.sleep_level={e.sleep_level} needs algo.max_staleness=0 (the engines "
                  "sleep while the learner trains, so rollout cannot run ahead)")
     _check_sandbox(cfg.sandbox)
-    _check_rollout_correction(a.rollout_correction, r.temperature)
+    _check_rollout_correction(a.rollout_correction)
     _check_sft(cfg.sft, check_files)
     _check_chat_template(cfg.model, check_files)
     # The tool agent used to read its own `sandbox` dict: refuse it rather than silently run with the defaults.

@@ -216,6 +216,9 @@ class _VLLM:
                                max_model_len=cfg.max_model_len, enforce_eager=cfg.enforce_eager,
                                max_num_seqs=cfg.max_num_seqs, enable_prefix_caching=True,
                                gpu_memory_utilization=cfg.gpu_memory_utilization, max_logprobs=1,
+                               # the sampled tokens' log-probs after temperature (and top-p), as verl asks: the
+                               # learner's are of logits / rollout.temperature (the default, raw, is temperature 1)
+                               logprobs_mode="processed_logprobs",
                                # cuda_ipc / broadcast receive inside the worker process, by method name
                                worker_extension_cls="rayrl.weight_sync.worker.WorkerExtension",
                                **({"enable_sleep_mode": True} if cfg.sleep_level else {}))
@@ -322,11 +325,13 @@ class _HF:
             out = self.model.generate(torch.tensor([prompt_ids], device=self.device), max_new_tokens=s.max_tokens,
                                       min_new_tokens=s.max_tokens if s.ignore_eos else None,
                                       do_sample=s.temperature > 0, temperature=s.temperature or None, top_p=s.top_p,
+                                      top_k=0,  # no top-k, as vLLM's default (transformers' default is 50)
                                       eos_token_id=eos, pad_token_id=self.model.config.pad_token_id,
-                                      output_logits=True, return_dict_in_generate=True)
+                                      output_scores=True, return_dict_in_generate=True)
         ids = out.sequences[0, len(prompt_ids):].tolist()
-        logits = torch.stack(out.logits, dim=1)[0].float()  # raw logits, like vLLM's default raw_logprobs
-        lps = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids, device=logits.device)[:, None])[:, 0].tolist()
+        # the scores sampled from (after temperature and top-p), like vLLM's processed_logprobs
+        scores = torch.stack(out.scores, dim=1)[0].float()
+        lps = torch.log_softmax(scores, -1).gather(-1, torch.tensor(ids, device=scores.device)[:, None])[:, 0].tolist()
         finish = "stop" if ids and ids[-1] in eos else "length"
         return ids, lps, finish
 

@@ -94,6 +94,8 @@ class StepLogger:
             parts = [fmt.format(m[k]) for k, fmt in CONSOLE_KEYS if k in m]
             parts += [f"val {k[len('val-core/'):k.rindex('/acc/')]} acc{k[k.rindex('@'):]} {v:.3f}"
                       for k, v in m.items() if k.startswith("val-core/") and "/acc/mean@" in k]
+            parts += [f"val {k[len('val-aux/'):-len('/tools/call_rate')]} tool use {v:.0%}"
+                      for k, v in m.items() if k.startswith("val-aux/") and k.endswith("/tools/call_rate")]
             self.bar.write(f"step {step}: " + "  ".join(parts))
             self.bar.update(max(step - self.bar.n, 0))  # step 0 (validation before training) is no step done
 
@@ -139,7 +141,8 @@ def val_metrics(trajs: list) -> dict[str, float]:
     each sample's acc and reward (pred, the extracted answer, is maj@n's vote), grouped by prompt;
     `val-core/<source>/acc/{mean,best,maj}@n...` for the largest n (samples per prompt), everything else
     `val-aux/...`. acc is on a 0-1 scale (`val_acc`) and a failed sample counts 0 (verl 0.9 counts a missing
-    sample's acc 0 too); reward is the trained reward of the successful samples only."""
+    sample's acc 0 too); reward is the trained reward of the successful samples only. Tool-using agents' samples
+    also give the training steps' `tool_metrics` per source, as `val-aux/<source>/tools/call_rate` etc."""
     from verl.trainer.ppo.metric_utils import process_validation_metrics  # the driver has verl loaded already
 
     from rayrl.rewards import extract_answer
@@ -159,6 +162,9 @@ def val_metrics(trajs: list) -> dict[str, float]:
             for name, value in metric.items():  # verl's ray_trainer._val_metrics_update, with acc as the core var
                 core = var == "acc" and name.startswith(("mean", "maj", "best")) and f"@{n_max}" in name
                 out[f"{'val-core' if core else 'val-aux'}/{source}/{var}/{name}"] = float(value)
+    for source in sorted({t.data_source for t in trajs}):
+        tools = tool_metrics([t for t in trajs if t.data_source == source])
+        out.update({f"val-aux/{source}/{k}": v for k, v in tools.items()})
     out["val-aux/failed"] = float(sum(not t.ok for t in trajs))
     return out
 
@@ -186,14 +192,20 @@ def val_generations(trajs: list, n: int, decode) -> list[dict]:
 
 
 def tool_metrics(trajs: list) -> dict[str, float]:
-    """Tool calls per trajectory and the sandbox error rate, from what tool-using agents put in their metadata."""
+    """From what tool-using agents put in their metadata (rayrl.agents.tool_agent): tool calls per trajectory, the
+    share of trajectories with at least one call, the sandbox error rate per call and, when any call ran, the
+    success rate: the share of calls that ran and exited 0 (no tool, sandbox or code error)."""
     tooled = [t.metadata for t in trajs if "tool_calls" in (t.metadata or {})]
     if not tooled:
         return {}
     calls = sum(m["tool_calls"] for m in tooled)
-    return {"tools/calls_mean": calls / len(tooled),
-            "tools/call_rate": sum(1 for m in tooled if m.get("tool_calls", 0) > 0) / len(tooled),
-            "sandbox/error_rate": sum(m.get("sandbox_errors", 0) for m in tooled) / max(calls, 1)}
+    out = {"tools/calls_mean": calls / len(tooled),
+           "tools/call_rate": sum(1 for m in tooled if m.get("tool_calls", 0) > 0) / len(tooled),
+           "sandbox/error_rate": sum(m.get("sandbox_errors", 0) for m in tooled) / max(calls, 1)}
+    if calls:
+        failed = sum(m.get(k, 0) for m in tooled for k in ("tool_errors", "sandbox_errors", "code_errors"))
+        out["tools/success_rate"] = (calls - failed) / calls
+    return out
 
 
 def version_metrics(trajs: list) -> dict[str, float]:

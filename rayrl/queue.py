@@ -1,7 +1,7 @@
 """TaskQueue: the task/result queue between the driver and the rollout workers (replaces Redis).
 
 `LeaseQueue` is the bookkeeping, `TaskQueue` the async class that parks callers on it (both plain, tested
-without Ray), `TaskQueueActor` its Ray actor.
+without Ray); `rayrl.actors.queue.TaskQueueActor` is its Ray actor.
 
 A worker *leases* tasks rather than popping them: a lease that is not acked before its deadline,
 or whose worker the driver reports dead (`release_worker`), goes back to the front of the queue. A task whose
@@ -339,8 +339,9 @@ class TaskQueue:
     """Async front of `LeaseQueue` (run as `TaskQueueActor`): `lease` and `get_results` block up to `timeout` s
     without blocking other callers; a background task expires leases every `expire_interval` s.
 
-    Workers call `lease` / `ack` (or `ack_and_lease`, one round trip per task); the driver calls
-    `put`, `get_results`, `release_worker` (when it sees a worker actor die) and `stats`.
+    Workers call `ack_and_lease` (a batch of results in, a batch of tasks out: one round trip), `ack`, `lease` and
+    `retry`; the driver calls `put`, `get_results`, `release_worker` (when it sees a worker actor die) and `stats`
+    (`calls_total` counts the workers' calls: how well they batch).
     """
 
     def __init__(self, lease_timeout: float = 600.0, expire_interval: float = 1.0):
@@ -352,6 +353,7 @@ class TaskQueue:
         # of leasing tasks to a dead worker (they would sit there until the lease expired).
         self._epoch: dict[str, int] = {}
         self._ticker: asyncio.Task | None = None
+        self._calls = 0
 
     async def put(self, items: list) -> int:
         self._start()
@@ -361,6 +363,23 @@ class TaskQueue:
 
     async def lease(self, worker_id: str, max_items: int = 1, timeout: float = 0.0) -> list[tuple[str, Any]]:
         """Lease up to `max_items` tasks, waiting up to `timeout` s for the first; [] on timeout."""
+        self._calls += 1
+        return await self._lease(worker_id, max_items, timeout)
+
+    async def ack(self, worker_id: str, results: list) -> int:
+        """Hand in results; returns how many were accepted (duplicates and unknown tasks are dropped)."""
+        self._calls += 1
+        return self._ack(worker_id, results)
+
+    async def ack_and_lease(
+        self, worker_id: str, results: list, max_items: int = 1, timeout: float = 0.0
+    ) -> tuple[int, list[tuple[str, Any]]]:
+        """`ack` then `lease` in one round trip: what a worker does between two batches of episodes."""
+        self._calls += 1
+        n = self._ack(worker_id, results)
+        return n, await self._lease(worker_id, max_items, timeout)
+
+    async def _lease(self, worker_id: str, max_items: int, timeout: float) -> list[tuple[str, Any]]:
         self._start()
         got = self._q.lease(worker_id, max_items)
         if got or timeout <= 0:
@@ -381,20 +400,12 @@ class TaskQueue:
                 self._wake_leasers()
                 return _leases_out(got)
 
-    async def ack(self, worker_id: str, results: list) -> int:
-        """Hand in results; returns how many were accepted (duplicates and unknown tasks are dropped)."""
+    def _ack(self, worker_id: str, results: list) -> int:
         self._start()
         n = self._q.ack(worker_id, results)
         if n:
             self._collectors.wake_all()
         return n
-
-    async def ack_and_lease(
-        self, worker_id: str, results: list, max_items: int = 1, timeout: float = 0.0
-    ) -> tuple[int, list[tuple[str, Any]]]:
-        """`ack` then `lease` in one round trip: what a worker does between two tasks."""
-        n = await self.ack(worker_id, results)
-        return n, await self.lease(worker_id, max_items, timeout)
 
     async def get_results(self, max_items: int, timeout: float = 0.0, min_items: int = 1) -> list:
         """Pop up to `max_items` results once `min_items` are waiting, or whatever is there after `timeout` s."""
@@ -412,6 +423,7 @@ class TaskQueue:
     async def retry(self, worker_id: str, task_ids: list[str], max_retries: int, delay: float) -> list[str]:
         """`LeaseQueue.retry`: returns the ids not handed back (over `max_retries`: the worker acks them failed)."""
         self._start()
+        self._calls += 1
         return self._q.retry(worker_id, task_ids, max_retries, delay)
 
     async def release_worker(self, worker_id: str) -> int:
@@ -424,7 +436,7 @@ class TaskQueue:
 
     async def stats(self) -> dict[str, int]:
         self._start()
-        s = self._q.stats()
+        s = {**self._q.stats(), "calls_total": self._calls}
         self._wake_leasers()  # stats() may have re-queued expired leases
         return s
 
@@ -452,6 +464,3 @@ class TaskQueue:
 def _leases_out(got: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
     return _Unpacked([item for _, item in got], [lease_id for lease_id, _ in got])
 
-
-# num_cpus=0: a control-plane actor must not take a CPU slot from the rollout workers.
-TaskQueueActor = ray.remote(num_cpus=0, max_concurrency=1000)(TaskQueue)

@@ -8,18 +8,24 @@
   rayrl.cluster). A new pid is a restart, which `recover` finishes: an engine is started and gets the current
   weights, the Gateway listens again on its port, the TaskQueue is refilled with every task not yet collected (the
   driver's ledger, rayrl.train.Feeder). A role that gives no pid for `trainer.recover_timeout` s raises `RoleLost`.
+- In the weight sync (`sync`), an engine that died is restarted the same way and every engine gets the weights.
+- A learner rank is not restarted: it holds the only copy of its FSDP shard of the model and optimizer state. One
+  that died in the update, the sync or a save stops the run with `LearnerLost` (one line naming it and the
+  checkpoint a rerun resumes from: `trainer.save_freq` / `trainer.save_interval_s` bound what is lost).
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import time
+from collections.abc import Callable, Iterator
 
 import httpx
 import ray
 
-from rayrl import weight_sync
+from rayrl import checkpoint, logs, stop, weight_sync
 from rayrl.sandbox.result import SandboxUnavailable
 
 # Actor class -> role, for a RayActorError raised inside an agent (its message names the class).
@@ -41,6 +47,16 @@ class RoleLost(ConnectionError):
     def __init__(self, role: str, timeout: float):
         super().__init__(f"{role} died and did not come back within trainer.recover_timeout={timeout:g}s")
         self.role = role
+
+
+class LearnerLost(ConnectionError):
+    """Learner ranks died (printed as `rayrl: <this>`): their FSDP shards went with them, so the run cannot go on."""
+
+    def __init__(self, names: list[str], during: str, ckpt: str | None):
+        super().__init__(f"{', '.join(names)} died during {during}; a learner rank holds the only copy of its shard "
+                         f"and is not restarted: run again to resume from "
+                         f"{ckpt or 'the start (no checkpoint yet)'}")
+        self.names = names
 
 
 def infra_role(e: BaseException) -> str | None:
@@ -79,17 +95,19 @@ class Watch:
     def __init__(self, handles: dict[str, object], timeout: float, clock=time.monotonic):
         self.handles, self.timeout, self._clock = handles, timeout, clock
         self.pids: dict[str, int] = {}
-        self._calls: dict[str, object] = {}  # name -> its pid call in flight
+        self._calls: dict[str, tuple[object, float]] = {}  # name -> its pid call in flight, when it was asked
         self._last_ok = dict.fromkeys(handles, clock())  # name -> when it last answered
+        self._asked = dict.fromkeys(handles, float("-inf"))  # name -> when its last answered call was asked
+        self._held: list[str] = []  # restarts `settle` saw that are not its own: the next poll returns them
 
     def poll(self, wait: float = 0.0) -> list[str]:
         """Take the answers that came since the last poll (waiting up to `wait` s for them) and ask again; returns the
         names that restarted since they last answered."""
         self._ask()
-        refs = list(self._calls.values())
+        refs = [ref for ref, _ in self._calls.values()]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=wait, fetch_local=True)
-        ready, restarted = set(ready), []
-        for name, ref in list(self._calls.items()):
+        ready, restarted, self._held = set(ready), self._held, []
+        for name, (ref, asked) in list(self._calls.items()):
             if ref not in ready:
                 continue
             del self._calls[name]
@@ -100,7 +118,7 @@ class Watch:
             if self.pids.get(name, pid) != pid:
                 restarted.append(name)
             self.pids[name] = pid
-            self._last_ok[name] = self._clock()
+            self._last_ok[name], self._asked[name] = self._clock(), asked
         self._ask()  # answered by the next poll
         now = self._clock()
         for name, t in self._last_ok.items():
@@ -108,10 +126,72 @@ class Watch:
                 raise RoleLost(name, self.timeout)
         return restarted
 
+    def settle(self, names: list[str]) -> list[str]:
+        """Poll until each of `names` has answered a call asked from now on (the answer of one asked earlier can
+        predate a death); returns those of `names` that restarted. RoleLost as in `poll`."""
+        t0, seen = self._clock(), []
+        while any(self._asked[n] < t0 for n in names):
+            seen += self.poll(wait=1.0)
+        self._held += [n for n in seen if n not in names]
+        return [n for n in seen if n in names]
+
     def _ask(self) -> None:
         for name, h in self.handles.items():
             if name not in self._calls:
-                self._calls[name] = h.__ray_call__.remote(_pid)
+                self._calls[name] = (h.__ray_call__.remote(_pid), self._clock())
+
+
+def dead(handles: dict[str, object], wait: float = 10.0) -> list[str]:
+    """The names of the actors in `handles` that are dead (an actor busy for `wait` s counts as alive)."""
+    refs = {name: h.__ray_call__.remote(_pid) for name, h in handles.items()}
+    ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=wait)
+    out = []
+    for name, ref in refs.items():
+        try:
+            if ref in ready:
+                ray.get(ref, timeout=1)
+        except ray.exceptions.RayActorError:
+            out.append(name)
+    return out
+
+
+@contextlib.contextmanager
+def learners_kept(learners: list, during: str, output_dir: str) -> Iterator[None]:
+    """A failure in the block behind which a learner rank is dead becomes LearnerLost (one line, naming the rank and
+    the checkpoint a rerun resumes from); other failures pass as they are."""
+    try:
+        yield
+    except Exception as e:
+        if stop.found(e) is None and (gone := dead({f"learner/{r}": ln for r, ln in enumerate(learners)})):
+            raise LearnerLost(gone, during, checkpoint.latest(output_dir)) from None
+        raise
+
+
+def sync(cfg, actors, version: int, before_lost: Callable[[], object] | None = None) -> None:
+    """The learners' weights at `version` -> every engine (weight_sync.push). An engine that died on the way is
+    restarted by Ray: it is started and given the weights (`recover`), then the others get them again. A dead learner
+    raises LearnerLost; an engine that does not come back within trainer.recover_timeout raises RoleLost after
+    `before_lost()` (the driver's checkpoint of this step); a failure with every engine alive as it was is raised."""
+    engines = {f"engine/{i}": eng for i, eng in enumerate(actors.engines)}
+    with learners_kept(actors.learners, f"the weight sync of policy version {version}", cfg.trainer.output_dir):
+        try:
+            weight_sync.push(actors.weight_sync, actors.learners, actors.engines, version, cfg.engine.sync_timeout)
+            return
+        except Exception as e:
+            if stop.found(e) is not None:
+                raise
+            try:
+                restarted = actors.watch.settle(list(engines))
+            except RoleLost:
+                if before_lost is not None:
+                    before_lost()
+                raise
+            if not restarted:
+                raise
+        recover(cfg, actors, restarted, [], version)
+        others = [eng for name, eng in engines.items() if name not in restarted]
+        if others:
+            weight_sync.push(actors.weight_sync, actors.learners, others, version, cfg.engine.sync_timeout)
 
 
 def recover(cfg, actors, restarted: list[str], tasks: list, version: int) -> None:
@@ -131,4 +211,5 @@ def recover(cfg, actors, restarted: list[str], tasks: list, version: int) -> Non
             ray.get(actors.queue.put.remote(tasks), timeout=60)
         what = {"engine": f"started, weights of policy version {version} pushed", "gateway": "listening again",
                 "queue": f"{len(tasks)} uncollected tasks put back"}.get(role, "stateless, nothing to restore")
-        print(f"rayrl: {name} died and was restarted ({what})", file=sys.stderr)  # noqa: T201
+        log = logs.where(logs.log_dir(cfg.trainer.output_dir, cfg.trainer.verbose), f"rayrl/{name}")
+        print(f"rayrl: {name} died and was restarted ({what}){log}", file=sys.stderr)  # noqa: T201

@@ -2,13 +2,13 @@
 
 Each episode: lease -> open a Gateway session -> agent(ctx, config) with `ctx.llm` an AsyncOpenAI client
 bound to that session -> close the session (its record holds the exact token ids, logprobs and loss mask)
--> reward (the agent's, or the RewardActor's) -> ack with the Trajectory. Anything that raises or times
-out becomes a failed Trajectory carrying the exception text; the worker goes on. Except when the failure is another
-actor's (the Gateway, an engine, the RewardActor, a sandbox died or did not answer: rayrl.recovery.InfraError): then
-the task goes back to the queue (`TaskQueue.retry`) to be run again, up to `rollout.infra_retries` times. And except
-an over-long episode:
-an agent that raised because the Gateway refused its next call for want of tokens (`sessions.ran_out`) gives a
-truncated trajectory, scored and trained as verl does (`reward.overlong_buffer_len`: DAPO's penalty on top).
+-> reward (the agent's, or the RewardActor's) -> ack with the Trajectory, in a batch with others (`Rollout.run`).
+Anything that raises or times out becomes a failed Trajectory carrying the exception text; the worker goes on. Except
+when the failure is another actor's (the Gateway, an engine, the RewardActor, a sandbox died or did not answer:
+rayrl.recovery.InfraError): then the task goes back to the queue (`TaskQueue.retry`) to be run again, up to
+`rollout.infra_retries` times. And except an over-long episode: an agent that raised because the Gateway refused its
+next call for want of tokens (`sessions.ran_out`) gives a truncated trajectory, scored and trained as verl does
+(`reward.overlong_buffer_len`: DAPO's penalty on top).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import ray
 
 from rayrl.agent import TaskContext, session_client
 from rayrl.config import Config, check_callable
+from rayrl.queue import pack
 from rayrl.recovery import InfraError, infra_role
 from rayrl.sandbox import SandboxPool
 from rayrl.sandbox.client import ActorSandbox
@@ -30,47 +31,88 @@ from rayrl.types import SessionRecord, Task, Trajectory
 
 
 class Rollout:
-    """One rollout worker; `RolloutActor` below is its Ray actor."""
+    """One rollout worker; `rayrl.actors.rollout.RolloutActor` is its Ray actor."""
 
     def __init__(self, worker_id: str, cfg: Config, queue, gateway, reward, sandboxes=()):
         self.worker_id, self.cfg, self.queue, self.gateway, self.reward = worker_id, cfg, queue, gateway, reward
         # `ctx.sandbox`: the shared SandboxActors (episodes take turns), else a pool of this worker's own
         self.sandboxes = [ActorSandbox(h) for h in sandboxes] or [SandboxPool(cfg.sandbox)]
         self.episodes = 0
+        self._outbox: list[Trajectory] = []  # finished trajectories not yet handed to the queue (`run`)
         self.agent_fn = check_callable(cfg.rollout.agent, "rollout.agent")
         self._http, self._http_loop = None, None
         self._waits = WaitingSessions(None)  # the transport of self._http
 
     async def run(self) -> None:
-        """Lease and run episodes for as long as the actor lives (the driver sees it end only when it dies)."""
-        slots = asyncio.Semaphore(self.cfg.rollout.concurrency)
-        inflight: set[asyncio.Task] = set()
-        while True:
-            free = self.cfg.rollout.concurrency - len(inflight)
-            if free == 0:
-                await asyncio.wait(inflight, return_when=asyncio.FIRST_COMPLETED)
-                continue
-            try:
-                leases = await self.queue.lease.remote(self.worker_id, free, 1.0)  # blocks in the queue up to 1 s
-            except ray.exceptions.RayActorError:  # the queue died: Ray restarts it, the driver refills it
-                await asyncio.sleep(1.0)
-                continue
-            for _, task in leases:
-                t = asyncio.create_task(self._episode(slots, task))
-                inflight.add(t)
-                t.add_done_callback(inflight.discard)
+        """Lease and run episodes for as long as the actor lives (the driver sees it end only when it dies).
 
-    async def _episode(self, slots: asyncio.Semaphore, task: Task) -> None:
-        async with slots:
-            try:
-                traj = await self.run_task(task)
-            except InfraError as e:
-                traj = await self._retry(task, e)
+        Dispatch is batched: finished trajectories wait in an outbox and go to the queue with the next lease
+        (`ack_and_lease`, for up to the free slots), one such call in flight at a time, so that a call carries what
+        finished during the one before. A lease waits in the queue (up to 1 s) for tasks only when the last one found
+        fewer than it asked for; trajectories that finish meanwhile go without it (`ack`, one call at a time)."""
+        limit = self.cfg.rollout.concurrency
+        episodes: set[asyncio.Task] = set()
+        # Set when an episode or a queue call ends: one wake-up however many episodes run (no wait over all of them).
+        poke = asyncio.Event()
+
+        def ended(t: asyncio.Task) -> None:
+            episodes.discard(t)
+            poke.set()
+
+        def start(coro) -> asyncio.Task:
+            t = asyncio.create_task(coro)
+            t.add_done_callback(ended)
+            return t
+
+        lease_call: asyncio.Task | None = None
+        ack_call: asyncio.Task | None = None
+        # short: the last lease found fewer tasks than it asked for, so the next waits in the queue for them (waits)
+        asked, short, waits = 0, True, True
+        while True:
+            free = limit - len(episodes)
+            if lease_call is None and free:
+                lease_call = start(self._ack_and_lease(self._take_outbox(), free, 1.0 if short else 0.0))
+                asked, waits = free, short
+            elif lease_call is not None and waits and ack_call is None and self._outbox:
+                ack_call = start(self._ack(self._take_outbox()))
+            await poke.wait()
+            poke.clear()  # no await since the wait: every end after this sets it again
+            if ack_call is not None and ack_call.done():
+                ack_call = None
+            if lease_call is not None and lease_call.done():
+                leases = lease_call.result()
+                lease_call, short = None, len(leases) < asked
+                episodes.update(start(self._episode(task)) for _, task in leases)
+
+    def _take_outbox(self) -> list[Trajectory]:
+        out, self._outbox = self._outbox, []
+        return out
+
+    async def _ack_and_lease(self, results: list[Trajectory], n: int, wait: float) -> list:
+        """Ack `results`, lease up to `n` tasks (waiting up to `wait` s for them): the (lease id, task) pairs."""
         try:
-            if traj is not None:
-                await self.queue.ack.remote(self.worker_id, [traj])
-        except ray.exceptions.RayActorError:
-            pass  # the queue died with this task: the driver puts every uncollected task in its successor
+            _, leases = await asyncio.wait_for(
+                self.queue.ack_and_lease.remote(self.worker_id, pack(results), n, wait), wait + 60)
+        except (ray.exceptions.RayActorError, asyncio.TimeoutError):
+            # The queue died (Ray restarts it) or hung: the driver puts every uncollected task, these results' too,
+            # in its successor; a lease given but not received expires back to the queue.
+            await asyncio.sleep(1.0)
+            return []
+        return leases
+
+    async def _ack(self, results: list[Trajectory]) -> None:
+        try:
+            await asyncio.wait_for(self.queue.ack.remote(self.worker_id, pack(results)), 60)
+        except (ray.exceptions.RayActorError, asyncio.TimeoutError):
+            pass  # as in _ack_and_lease
+
+    async def _episode(self, task: Task) -> None:
+        try:
+            traj = await self.run_task(task)
+        except InfraError as e:
+            traj = await self._retry(task, e)
+        if traj is not None:
+            self._outbox.append(traj)
 
     async def _retry(self, task: Task, e: InfraError) -> Trajectory | None:
         """Hand the task back to the queue (None), or, past rollout.infra_retries, the failed trajectory that says

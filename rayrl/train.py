@@ -24,7 +24,7 @@ from collections import Counter
 
 import ray
 
-from rayrl import checkpoint, cluster, colocate, recovery, stop, trace, weight_sync
+from rayrl import checkpoint, cluster, colocate, logs, recovery, stop, trace
 from rayrl.batching import advantages, rollout_correction, shard, trainable_groups
 from rayrl.config import Config, check_cluster
 from rayrl.data import DataIterator, load_rows
@@ -69,6 +69,7 @@ def train(cfg: Config) -> dict:
         feeder = Feeder(cfg, actors.queue, data, start=step)
         if val_rows and t.val_before_train and step == 0:
             log.log(0, validate(cfg, actors, val_rows, version, 0, log, decode))
+        saved_at = time.monotonic()  # trainer.save_interval_s counts from here
         while step < t.total_steps:
             with trace.step(step + 1):  # one span in the trace holding this step's phases and trajectories
                 val: dict[str, float] = {}
@@ -81,12 +82,20 @@ def train(cfg: Config) -> dict:
                 t_rollout = time.perf_counter() - t0
                 groups, dropped = trainable_groups(trajs)
                 colo = colocate.to_training(cfg, actors)  # sleeping engines free the GPU for the update
-                learn = update(cfg, actors.learners, groups)
+                with recovery.learners_kept(actors.learners, f"step {step + 1}'s update", t.output_dir):
+                    learn = update(cfg, actors.learners, groups)
                 version, step = version + 1, step + 1
-                if (t.save_freq and step % t.save_freq == 0) or step == t.total_steps:  # learners resident
+                since = time.monotonic() - saved_at
+                saving = checkpoint.due(step, t.total_steps, t.save_freq, t.save_interval_s, since)
+                if saving:  # learners resident
                     summary["checkpoint"] = save(cfg, actors, step, version, feeder.state_before(step))
-                # the engines serve the new policy from here on (sleeping ones awake, learners offloaded)
-                colo.update(colocate.to_rollout(cfg, actors, functools.partial(sync_weights, cfg, actors, version)))
+                    saved_at = time.monotonic()
+                # the engines serve the new policy from here on (sleeping ones awake, learners offloaded); an engine
+                # lost in the sync stops the run after a checkpoint of this step (rayrl.recovery.sync)
+                here = feeder.state_before(step)
+                lost = None if saving else functools.partial(save, cfg, actors, step, version, here)
+                sync = functools.partial(sync_weights, cfg, actors, version, lost)
+                colo.update(colocate.to_rollout(cfg, actors, sync))
                 sync_s = colo.pop("sync/seconds")
                 if val_rows and t.test_freq and step % t.test_freq == 0:
                     v0 = time.perf_counter()
@@ -187,9 +196,10 @@ def collect(cfg: Config, actors, expected: dict[str, Task], step: int, early: di
                 todo = [t for tid, t in expected.items() if tid not in got] + (feeder.uncollected() if feeder else [])
                 version = feeder.version if feeder else max(t.policy_version for t in expected.values())
                 recovery.recover(cfg, actors, restarted, todo, version)
-            for wid in cluster.restart_dead_workers(actors, cfg):
-                print(f"rayrl: rollout worker {wid} died; its leases were re-queued and it was replaced",  # noqa: T201
-                      file=sys.stderr)
+            for name in cluster.restart_dead_workers(actors, cfg):
+                log = logs.where(logs.log_dir(cfg.trainer.output_dir, cfg.trainer.verbose), name)
+                print(f"rayrl: rollout worker {name.removeprefix('rayrl/')} died; its leases were re-queued and "  # noqa: T201
+                      f"it was replaced{log}", file=sys.stderr)
     except recovery.RoleLost:
         done = checkpoint.latest(cfg.trainer.output_dir)
         if feeder is not None and step and not (done and done.endswith(f"step_{step}")):
@@ -237,12 +247,13 @@ def update(cfg: Config, learners: list, groups: list[list[Trajectory]]) -> dict[
                                                                  for g in groups for t in g) / max(learner_s, 1e-9)}
 
 
-def sync_weights(cfg: Config, actors, version: int) -> float:
+def sync_weights(cfg: Config, actors, version: int, before_lost=None) -> float:
     """The learners' weights -> every engine, by the strategy resolved at start (object_store, cuda_ipc or
-    broadcast: rayrl/weight_sync/). Returns the seconds until the slowest engine serves them."""
+    broadcast: rayrl/weight_sync/); an engine that dies meanwhile is restarted and synced (rayrl.recovery.sync).
+    Returns the seconds until the slowest engine serves them."""
     t0 = time.perf_counter()
     with trace.span("weight_sync", version=version, strategy=actors.weight_sync):
-        weight_sync.push(actors.weight_sync, actors.learners, actors.engines, version, cfg.engine.sync_timeout)
+        recovery.sync(cfg, actors, version, before_lost)
     return time.perf_counter() - t0
 
 
@@ -264,7 +275,8 @@ def resume(cfg: Config, actors, data: DataIterator) -> tuple[int, int]:
 
 def save(cfg: Config, actors, step: int, version: int, data_state: dict) -> str:
     tmp = checkpoint.begin(cfg.trainer.output_dir, step)
-    with trace.span("checkpoint", step=step):
+    with trace.span("checkpoint", step=step), recovery.learners_kept(actors.learners, f"the checkpoint of step {step}",
+                                                                     cfg.trainer.output_dir):
         ray.get([ln.save.remote(tmp) for ln in actors.learners], timeout=cfg.learner.timeout)
     return checkpoint.commit(tmp, step, {"step": step, "policy_version": version, "data": data_state,
                                          "python_rng": random.getstate(),

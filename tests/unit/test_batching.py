@@ -101,7 +101,8 @@ def test_tool_metrics():
 
     a, b = traj("a", 0), traj("a", 1)
     a.metadata, b.metadata = {"tool_calls": 3, "sandbox_errors": 1}, {"tool_calls": 1, "sandbox_errors": 0}
-    assert tool_metrics([a, b]) == {"tools/calls_mean": 2.0, "tools/call_rate": 1.0, "sandbox/error_rate": 0.25}
+    assert tool_metrics([a, b]) == {"tools/calls_mean": 2.0, "tools/call_rate": 1.0, "sandbox/error_rate": 0.25,
+                                    "tools/success_rate": 0.75}
     assert tool_metrics([traj("c", 0)]) == {}
     c = traj("c", 1)
     c.metadata = {"tool_calls": 0}

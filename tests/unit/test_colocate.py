@@ -61,10 +61,10 @@ def test_sleep_times_out_naming_the_engine(tiny_model):
 
     async def go():
         await engine.start()
-        engine.inflight = 1  # a request that never finishes
+        engine._running["stuck"] = "stuck"  # a request on the backend that never finishes
         with pytest.raises(TimeoutError, match="engine/3: 1 requests still running"):
             await engine.sleep(1)
-        engine.inflight = 0
+        engine._running.clear()
         out = await engine.generate(PROMPT, Sampling(max_tokens=2, temperature=0.0))  # still awake: serves
         await engine.shutdown()
         return out

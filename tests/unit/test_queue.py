@@ -292,3 +292,17 @@ def test_clear_pending_drops_retried_tasks_too(q: LeaseQueue, clock: FakeClock) 
     assert q.clear_pending() == 2
     clock.now += 60
     assert q.lease("w1") == [] and q.stats()["delayed"] == 0
+
+
+def test_task_queue_counts_the_workers_calls_an_ack_and_lease_as_one() -> None:
+    async def scenario() -> dict:
+        tq = TaskQueue()
+        await tq.put([task(i) for i in range(4)])
+        got = await tq.lease("w1", 2)
+        _, more = await tq.ack_and_lease("w1", pack([result(t) for _, t in got]), 2)
+        await tq.ack("w1", pack([result(t) for _, t in more]))
+        await tq.get_results(10)  # the driver's calls are not counted
+        return await tq.stats()
+
+    s = asyncio.run(scenario())
+    assert (s["calls_total"], s["completed_total"], s["leased"]) == (3, 4, 0)

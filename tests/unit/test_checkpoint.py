@@ -1,0 +1,88 @@
+"""rayrl.checkpoint without a learner: which checkpoints a commit prunes (by step number, never the one it wrote,
+never a dir without COMPLETE), and when a step is due for a save (save_freq, save_interval_s, the end)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from rayrl import checkpoint
+
+
+def save(out: str, step: int) -> str:
+    return checkpoint.commit(checkpoint.begin(out, step), step, {"step": step})
+
+
+def steps(out: str) -> list[str]:
+    return sorted(d for d in os.listdir(checkpoint.root(out)) if d.startswith("step_"))
+
+
+def test_prunes_by_step_number_not_by_name(tmp_path):
+    out = str(tmp_path)
+    for s in (8, 9, 10, 11):  # as names, "step_10" < "step_8" < "step_9"
+        save(out, s)
+    assert steps(out) == ["step_10", "step_11"]
+    assert checkpoint.latest(out) == os.path.join(checkpoint.root(out), "step_11")
+
+
+def test_keep_one_and_keep_zero(tmp_path):
+    out = str(tmp_path / "a")
+    for s in (9, 10):
+        checkpoint.commit(checkpoint.begin(out, s), s, {"step": s}, keep=1)
+    assert steps(out) == ["step_10"]
+    out = str(tmp_path / "b")
+    for s in (9, 10, 11):
+        checkpoint.commit(checkpoint.begin(out, s), s, {"step": s}, keep=0)
+    assert steps(out) == ["step_10", "step_11", "step_9"]
+
+
+def test_a_run_resumed_from_an_older_checkpoint_sets_the_left_history_aside(tmp_path):
+    """Resumed at step 4 while step_9 and step_10 exist: its step 5 stays (the newest of the run), the left
+    history is renamed out of `latest`'s way (not removed), so resume=auto continues this run."""
+    out = str(tmp_path)
+    for s in (4, 9, 10):  # the first run, saving at 4, 9 and 10 (keep=0: all three stay)
+        checkpoint.commit(checkpoint.begin(out, s), s, {"step": s}, keep=0)
+    save(out, 5)
+    assert steps(out) == ["step_4", "step_5"]
+    assert sorted(d for d in os.listdir(checkpoint.root(out)) if d.startswith("abandoned_")) == [
+        "abandoned_step_10", "abandoned_step_9"]
+    assert checkpoint.latest(out) == os.path.join(checkpoint.root(out), "step_5")
+
+
+def test_dirs_without_the_marker_are_neither_counted_nor_removed(tmp_path):
+    out = str(tmp_path)
+    save(out, 1)
+    os.makedirs(os.path.join(checkpoint.root(out), "step_3"))  # of an older rayrl: never loaded
+    save(out, 2)
+    assert steps(out) == ["step_1", "step_2", "step_3"]
+    assert checkpoint.latest(out) == os.path.join(checkpoint.root(out), "step_2")
+
+
+def test_the_temp_dir_of_a_killed_save_goes_at_the_next_save(tmp_path):
+    out = str(tmp_path)
+    checkpoint.begin(out, 1)  # killed before its commit
+    save(out, 1)
+    assert steps(out) == ["step_1"]
+
+
+@pytest.mark.parametrize(("step", "freq", "interval", "since", "due"), [
+    (4, 0, 0, 0.0, True),  # the last step (total 4) always
+    (3, 0, 0, 1e9, False),  # both off: only at the end
+    (2, 2, 0, 0.0, True),
+    (3, 2, 0, 1e9, False),  # interval off
+    (3, 2, 600, 599.9, False),
+    (3, 2, 600, 600.0, True),  # 10 minutes since the last save, whatever save_freq says
+    (3, 0, 600, 601.0, True),
+])
+def test_a_step_is_due_by_count_by_time_or_at_the_end(step, freq, interval, since, due):
+    assert checkpoint.due(step, 4, freq, interval, since) is due
+
+
+def test_save_interval_is_checked_and_on_by_default():
+    from rayrl.config import ConfigError, load_config
+
+    assert load_config(None, []).trainer.save_interval_s > 0  # a crash loses a bounded time by default
+    assert load_config(None, ["trainer.save_interval_s=0"]).trainer.save_interval_s == 0
+    with pytest.raises(ConfigError, match=r"^trainer.save_interval_s must be >= 0 \(0 = off\), got -5.0$"):
+        load_config(None, ["trainer.save_interval_s=-5"])
