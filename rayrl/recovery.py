@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 import httpx
 import ray
 
-from rayrl import checkpoint, logs, stop, weight_sync
+from rayrl import checkpoint, logs, stop
 from rayrl.sandbox.result import SandboxUnavailable
 
 # Actor class -> role, for a RayActorError raised inside an agent (its message names the class).
@@ -175,7 +175,7 @@ def sync(cfg, actors, version: int, before_lost: Callable[[], object] | None = N
     engines = {f"engine/{i}": eng for i, eng in enumerate(actors.engines)}
     with learners_kept(actors.learners, f"the weight sync of policy version {version}", cfg.trainer.output_dir):
         try:
-            weight_sync.push(actors.weight_sync, actors.learners, actors.engines, version, cfg.engine.sync_timeout)
+            push(actors.weight_sync, actors.learners, actors.engines, version, cfg.engine.sync_timeout)
             return
         except Exception as e:
             if stop.found(e) is not None:
@@ -191,7 +191,7 @@ def sync(cfg, actors, version: int, before_lost: Callable[[], object] | None = N
         recover(cfg, actors, restarted, [], version)
         others = [eng for name, eng in engines.items() if name not in restarted]
         if others:
-            weight_sync.push(actors.weight_sync, actors.learners, others, version, cfg.engine.sync_timeout)
+            push(actors.weight_sync, actors.learners, others, version, cfg.engine.sync_timeout)
 
 
 def recover(cfg, actors, restarted: list[str], tasks: list, version: int) -> None:
@@ -204,7 +204,7 @@ def recover(cfg, actors, restarted: list[str], tasks: list, version: int) -> Non
             eng = actors.engines[int(idx)]
             ray.get(eng.start.remote(), timeout=cfg.engine.sync_timeout + 600)
             if version:
-                weight_sync.push(actors.weight_sync, actors.learners, [eng], version, cfg.engine.sync_timeout)
+                push(actors.weight_sync, actors.learners, [eng], version, cfg.engine.sync_timeout)
         elif role == "gateway":
             ray.get(actors.gateway.start.remote(port=actors.gateway_port), timeout=120)
         elif role == "queue" and tasks:
@@ -213,3 +213,10 @@ def recover(cfg, actors, restarted: list[str], tasks: list, version: int) -> Non
                 "queue": f"{len(tasks)} uncollected tasks put back"}.get(role, "stateless, nothing to restore")
         log = logs.where(logs.log_dir(cfg.trainer.output_dir, cfg.trainer.verbose), f"rayrl/{name}")
         print(f"rayrl: {name} died and was restarted ({what}){log}", file=sys.stderr)  # noqa: T201
+
+
+def push(strategy: str, learners: list, engines: list, version: int, timeout: float) -> None:
+    """`rayrl.weight_sync.push`, imported here: every rollout worker imports this module and needs no torch."""
+    from rayrl import weight_sync
+
+    weight_sync.push(strategy, learners, engines, version, timeout)
