@@ -18,4 +18,4 @@ mkdir -p $stage && cat $parts/all.tar.part-* | tar -C $stage -xf -
 PYTHON=python3 PIP_BREAK_SYSTEM_PACKAGES=1 PIP_NO_CACHE_DIR=1 RAYRL_WHEELS=$stage bash scripts/install.sh
 touch $done_mark
 echo "setup_host: installed $(ls $stage/wheels | wc -l) wheels + $(ls $stage/sdists | wc -l) sdists in $(( $(date +%s) - t0 )) s"
-rm -rf $stage $parts
+rm -rf $parts  # the unpacked wheels stay in /tmp/stage: `RAYRL_WHEELS=/tmp/stage make train` installs from them offline
