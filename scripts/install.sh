@@ -25,8 +25,11 @@ lock=$(mktemp); trap 'rm -f "$lock"' EXIT; v lock > "$lock"
 if [ -n "${RAYRL_WHEELS:-}" ]; then
   src=(--no-index)
   for d in "$RAYRL_WHEELS" "$RAYRL_WHEELS/wheels" "$RAYRL_WHEELS/sdists"; do [ -d "$d" ] && src+=(--find-links "$d"); done
-  # shellcheck disable=SC2046  # one pin a word
-  pip install "${src[@]}" --no-deps $(v torch) $(v wheels)
+  # torch only where none is installed: a GPU image's own CUDA torch stays (the bundle carries no torch)
+  torch_pin=$(v torch); have=$("$PY" -c "import torch; print(torch.__version__)" 2>/dev/null || true)
+  if [ -n "$have" ]; then echo "rayrl: keeping the installed torch $have (versions.toml: $torch_pin)"; torch_pin=; fi
+  # shellcheck disable=SC2046,SC2086  # one pin a word
+  pip install "${src[@]}" --no-deps $torch_pin $(v wheels)
   for s in $(v sdists); do  # pycosat needs a C compiler; reasoning-gym's arithmetic never calls it
     pip install "${src[@]}" --no-deps --no-build-isolation "$s" || echo "rayrl: $s did not build; continuing"
   done

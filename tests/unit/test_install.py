@@ -80,13 +80,22 @@ def test_a_gpu_installs_the_cuda_builds(tmp_path):
     ]
 
 
-def test_offline_wheels_install_every_pin_without_resolving(tmp_path):
+@pytest.mark.parametrize("has_torch", [False, True])
+def test_offline_wheels_install_every_pin_without_resolving(tmp_path, has_torch):
+    """Every pin with --no-deps from the bundle; torch only where none is installed (a GPU image keeps its own)."""
     wheels = tmp_path / "bundle"
     (wheels / "wheels").mkdir(parents=True)
-    lines = dry_run(tmp_path, "echo 'GPU 0: NVIDIA H200 (UUID: GPU-0000)'", RAYRL_WHEELS=str(wheels))
+    python = sys.executable
+    if not has_torch:  # the same interpreter without site-packages: `import torch` fails
+        python = str(tmp_path / "python-bare")
+        Path(python).write_text(f'#!/bin/sh\nexec {sys.executable} -S "$@"\n')
+        Path(python).chmod(0o755)
+    lines = dry_run(tmp_path, "echo 'GPU 0: NVIDIA H200 (UUID: GPU-0000)'", RAYRL_WHEELS=str(wheels), PYTHON=python)
     cmds = pip_commands(lines)
     src = f"install --no-index --find-links {wheels} --find-links {wheels}/wheels --no-deps"
-    assert cmds[0] == f"{src} torch==2.11.0+cu130 " + " ".join(versions.pins("cuda", "wheels"))
+    torch_pin = "" if has_torch else "torch==2.11.0+cu130 "
+    assert cmds[0] == f"{src} {torch_pin}" + " ".join(versions.pins("cuda", "wheels"))
+    assert any(ln.startswith("rayrl: keeping the installed torch") for ln in lines) == has_torch
     assert cmds[1:4] == [f"{src} --no-build-isolation {s}" for s in versions.pins("cuda", "sdists")]
     assert cmds[4] == f"{src} --no-build-isolation -e {ROOT}"
     assert not any("download.pytorch.org" in c for c in cmds)
