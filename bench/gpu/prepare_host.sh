@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Here (a machine with network): download every wheel versions.toml pins for a CUDA machine ([cuda] + [common], less
-# torch, which the GPU host image has) and pack them as parts of at most PART_MIB (default 62) MiB, so each device
+# torch, which the GPU host image has) and pack them as parts of at most PART_MIB (default 54) MiB, so each device
 # call carries one part (a call's working tree is limited to 64 MiB).
 #   bash bench/gpu/prepare_host.sh [OUTDIR=.gpu-bundles]
 # Then, back to back (the host keeps /tmp only while warm), one call per part:
@@ -8,7 +8,7 @@
 # and the last part's call installs everything with `RAYRL_WHEELS=... scripts/install.sh` (setup_host.sh does that
 # when it sees the last part): the same install a CUDA machine with network gets from versions.toml.
 set -euo pipefail
-out=${1:-.gpu-bundles}; mib=${PART_MIB:-62}
+out=${1:-.gpu-bundles}; mib=${PART_MIB:-54}
 here=$(cd "$(dirname "$0")" && pwd); versions=$here/../../scripts/versions.py
 stage=$out/.stage; rm -rf "$out"; mkdir -p "$stage/wheels" "$stage/sdists"
 python3 "$versions" cuda wheels > "$out/.specs"    # versions.toml [cuda] + [common]; the host image has torch
