@@ -13,9 +13,15 @@ import json
 import os
 import re
 import shutil
+import sys
 from typing import Any
 
+from rayrl.config import ConfigError
+
 MARKER = "COMPLETE"
+KEEP = 2  # complete checkpoints kept (commit's default)
+# what one checkpoint holds per parameter: the learner's fp32 master weights and AdamW's two fp32 moments
+BYTES_PER_PARAM = 12
 
 
 def root(output_dir: str) -> str:
@@ -44,7 +50,7 @@ def begin(output_dir: str, step: int) -> str:
     return tmp
 
 
-def commit(tmp: str, step: int, state: dict[str, Any], keep: int = 2) -> str:
+def commit(tmp: str, step: int, state: dict[str, Any], keep: int = KEEP) -> str:
     """Write the trainer state and COMPLETE into tmp, fsync, rename tmp -> step_<k>, prune old checkpoints."""
     with open(os.path.join(tmp, "trainer_state.json"), "w") as f:
         json.dump(state, f)
@@ -84,6 +90,42 @@ def due(step: int, total_steps: int, save_freq: int, save_interval_s: float, sin
     save_interval_s seconds plus one step. 0 turns either off."""
     return (step == total_steps or (save_freq > 0 and step % save_freq == 0)
             or (save_interval_s > 0 and since_save_s >= save_interval_s))
+
+
+def preflight(output_dir: str, model_path: str, dtype: str, export_hf: bool) -> None:
+    """`room` for the job's model (its parameters counted from its config), the warning printed."""
+    from rayrl.models import param_count  # transformers: the driver only
+
+    n = param_count(model_path)
+    warning = room(output_dir, n, n * (4 if dtype == "float32" else 2) if export_hf else 0)
+    if warning:
+        print(warning, file=sys.stderr)  # noqa: T201
+
+
+def room(output_dir: str, n_params: int, export_bytes: int, free: int | None = None) -> str | None:
+    """Before anything starts: raises ConfigError when the disk of `output_dir` cannot hold one checkpoint
+    of a model with `n_params` parameters plus the Hugging Face export (`export_bytes`; 0 = none): the run's first
+    save would fail after the training it was meant to keep (a 4B run filled a 64 GB disk that way). Returns a
+    warning line when it holds one but not KEEP + 1 (the newest ones kept, and the one being written), else None.
+    `free`: the free bytes (default: the disk's, of output_dir or its nearest existing parent)."""
+    if free is None:
+        where = os.path.abspath(output_dir)
+        while not os.path.exists(where):
+            where = os.path.dirname(where)
+        free = shutil.disk_usage(where).free
+    one = n_params * BYTES_PER_PARAM
+    gb = 1e9
+    need = (f"one checkpoint of this {n_params / 1e9:.2f}B-parameter model needs ~{one / gb:.1f} GB "
+            "(fp32 weights and AdamW state)")
+    if free < one + export_bytes:
+        raise ConfigError(
+            f"trainer.output_dir {output_dir!r}: {free / gb:.1f} GB free on its disk; {need}"
+            + (f" and the Hugging Face export ~{export_bytes / gb:.1f} GB" if export_bytes else "")
+            + ": point trainer.output_dir at a disk with room")
+    if free < (KEEP + 1) * one + export_bytes:
+        return (f"rayrl: warning: trainer.output_dir {output_dir!r} has {free / gb:.1f} GB free; {need}, and "
+                f"{KEEP + 1} exist at once while a save replaces the oldest of the {KEEP} kept")
+    return None
 
 
 def _fsync_tree(top: str) -> None:

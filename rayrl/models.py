@@ -177,6 +177,16 @@ def make_model(shape: str, target: str, dtype: str = "bfloat16", seed: int = 0, 
     return target
 
 
+def param_count(path: str) -> int:
+    """Parameters of the model in folder `path` (tied ones once), from its config alone: built on the meta device."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    return sum(p.numel() for p in model.parameters())
+
+
 def _save_atomic(model, tok, target: str) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(target)), exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=".tmp-", dir=os.path.dirname(os.path.abspath(target)))

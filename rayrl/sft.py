@@ -42,6 +42,7 @@ def sft(cfg: Config) -> dict:
     val_rows = load_examples(s.val_file, tok, s.max_length, s.truncation) if s.val_file else []
     total = s.max_steps or s.epochs * math.ceil(len(rows) / s.batch_size)
     data = DataIterator(rows, s.batch_size, t.seed, cfg.data.shuffle)
+    checkpoint.preflight(t.output_dir, model_path, cfg.model.dtype, t.export_hf)  # a save that cannot fit fails now
     cluster.connect(cfg)
     check_cluster(cfg, ray.cluster_resources())
     actors, log, summary, step = None, None, {}, 0

@@ -52,6 +52,7 @@ def train(cfg: Config) -> dict:
     val_rows = [row for src in d.val_source or [] for row in load_rows(src, d.val_size, t.seed + 1, d.gym_kwargs,
                                                                       d.system_prompt)]
     data = DataIterator(rows, t.batch_size, t.seed, d.shuffle)
+    checkpoint.preflight(t.output_dir, model_path, cfg.model.dtype, t.export_hf)  # a save that cannot fit fails now
     cluster.connect(cfg)
     check_cluster(cfg, ray.cluster_resources())
     decode = _decoder(model_path) if val_rows and t.log_val_generations else None

@@ -86,3 +86,35 @@ def test_save_interval_is_checked_and_on_by_default():
     assert load_config(None, ["trainer.save_interval_s=0"]).trainer.save_interval_s == 0
     with pytest.raises(ConfigError, match=r"^trainer.save_interval_s must be >= 0 \(0 = off\), got -5.0$"):
         load_config(None, ["trainer.save_interval_s=-5"])
+
+
+GB = 10**9
+
+
+def test_room_refuses_a_disk_that_cannot_hold_one_checkpoint():
+    # the 4B shape: 4.02e9 parameters x 12 bytes = 48.2 GB, the checkpoint that filled the H200 host's disk
+    with pytest.raises(checkpoint.ConfigError, match=r"trainer.output_dir '/ckpt': 40.0 GB free on its disk; one "
+                       r"checkpoint of this 4.02B-parameter model needs ~48.2 GB .* export ~8.0 GB"):
+        checkpoint.room("/ckpt", 4_020_000_000, 8 * GB, free=40 * GB)
+    with pytest.raises(checkpoint.ConfigError):  # the checkpoint fits, the export after it does not
+        checkpoint.room("/ckpt", 4_020_000_000, 8 * GB, free=50 * GB)
+
+
+def test_room_warns_when_the_kept_checkpoints_and_the_next_do_not_fit():
+    warning = checkpoint.room("/ckpt", 10**9, 0, free=30 * GB)  # 12 GB each: one fits, KEEP + 1 = 3 do not
+    assert warning is not None and "30.0 GB free" in warning and "3 exist at once" in warning
+    assert checkpoint.room("/ckpt", 10**9, 0, free=36 * GB) is None
+
+
+def test_preflight_counts_the_models_parameters_from_its_config(tmp_path, capsys):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rayrl.models import make_tiny_model, param_count
+
+    path = make_tiny_model(str(tmp_path / "tiny"))
+    loaded = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    capsys.readouterr()  # transformers' progress bars
+    assert param_count(path) == sum(p.numel() for p in loaded.parameters()) > 0
+    checkpoint.preflight(str(tmp_path / "out" / "not-yet"), path, "float32", True)  # this disk has room: silent
+    assert capsys.readouterr().err == ""
