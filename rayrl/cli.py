@@ -104,7 +104,7 @@ def run_driver(driver, cfg) -> int:
     from rayrl import logs
     from rayrl.checkpoint import latest
     from rayrl.data import DataError
-    from rayrl.recovery import RoleLost
+    from rayrl.recovery import LearnerLost, RoleLost
     from rayrl.stop import Stopped
 
     folder = logs.log_dir(cfg.trainer.output_dir, cfg.trainer.verbose)
@@ -122,6 +122,9 @@ def run_driver(driver, cfg) -> int:
         return 2
     except RoleLost as e:  # Ray could not restart it: why is in its log
         print(f"rayrl: {e}{logs.where(folder, 'rayrl/' + e.role)}", file=sys.stderr)
+        return 1
+    except LearnerLost as e:  # why each rank died is in its log
+        print(f"rayrl: {e}{''.join(logs.where(folder, 'rayrl/' + n) for n in e.names)}", file=sys.stderr)
         return 1
     except ConnectionError as e:
         print(f"rayrl: {e}", file=sys.stderr)

@@ -51,6 +51,8 @@ def connect(cfg: Config) -> None:
         # private cluster keeps auth on with a token of its own, in its processes' environment only.
         os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
         ray._raylet.Config.initialize("")  # re-read by this process (Ray caches its config at import)
+    if not cfg.trainer.verbose:
+        logs.divert_raylet_errors(logs.log_dir(cfg.trainer.output_dir, False))
     namespace = f"rayrl-{cfg.trainer.experiment_name}-{uuid.uuid4().hex[:6]}"
     ray.init(address=address, num_cpus=num_cpus, namespace=namespace,
              include_dashboard=None if address else False, log_to_driver=cfg.trainer.verbose,

@@ -29,6 +29,27 @@ def where(folder: str | None, actor_name: str) -> str:
     return f" (log: {log_path(folder, actor_name)})" if folder else ""
 
 
+def divert_raylet_errors(folder: str) -> None:
+    """Ray's driver prints the raylet's error messages ("A worker died or was killed while executing a task...") on
+    the console whatever log_to_driver says (its error-listener thread); rayrl reports those deaths itself, as one
+    `rayrl:` line or a recovery. They go to FOLDER/raylet-errors.log instead; other output prints as Ray would."""
+    import ray._private.worker as ray_worker  # the listener looks the function up here at each message
+
+    original = getattr(ray_worker.print_to_stdstream, "rayrl_original", ray_worker.print_to_stdstream)
+    path = os.path.join(folder, "raylet-errors.log")
+
+    def to_file(data: dict, ignore_prefix: bool) -> None:
+        if data.get("pid") != "raylet":
+            return original(data, ignore_prefix)
+        os.makedirs(folder, exist_ok=True)
+        with open(path, "a") as f:
+            f.writelines(f"{line}\n" for line in data.get("lines", []))
+        return None
+
+    to_file.rayrl_original = original
+    ray_worker.print_to_stdstream = to_file
+
+
 def runtime_env(output_dir: str, verbose: bool, local: bool) -> dict | None:
     """The job-level runtime_env for ray.init: the log folder (unless verbose), and log dedup on a local cluster."""
     env = {"RAY_DEDUP_LOGS": "1"} if local else {}
