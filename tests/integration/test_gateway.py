@@ -237,15 +237,16 @@ def test_client_disconnect_mid_stream_aborts_the_engine_request(gw):
     with httpx.Client(timeout=60) as http, http.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
         assert r.status_code == 200
         next(r.iter_lines())  # the role chunk: the request is in the engine now
-    # the engine holds nothing for the gone client, and never sampled all n tokens
+    # the Gateway aborts the request, the engine holds nothing for the gone client, and never sampled all n tokens
+    # (the role chunk can come before the engine has the request: wait for the abort, not only for an idle engine)
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
-        st = ray.get(engine.stats.remote())
-        if st["backend_unfinished"] == 0 and st["inflight"] == 0:
+        st, aborted = ray.get(engine.stats.remote()), ray.get(gateway.stats.remote())["aborted"]
+        if aborted == before + 1 and st["backend_unfinished"] == 0 and st["inflight"] == 0:
             break
         time.sleep(0.05)
     assert st["backend_unfinished"] == 0 and st["inflight"] == 0, st
-    assert ray.get(gateway.stats.remote())["aborted"] == before + 1
+    assert aborted == before + 1
     assert st["tokens_out"] - tokens_before < n
     # the same request left to finish does sample all n (so the one above was cut short, not just fast)
     r = httpx.post(f"{url}/v1/chat/completions", json={**body, "stream": False}, timeout=120)

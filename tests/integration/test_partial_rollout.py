@@ -6,6 +6,7 @@ request to end. Real vLLM (CPU build) and SmolLM2; no Ray."""
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ import torch
 pytestmark = pytest.mark.integration
 
 PROMPT = [1, 2, 3, 4, 5]
+N = 160  # tokens a request samples
 
 
 def _logprobs(model, prompt: list[int], ids: list[int]) -> torch.Tensor:
@@ -30,10 +32,15 @@ async def _run(path: str, partial: bool, new_state: dict):
     eng = Engine(path, EngineConfig(max_model_len=512, partial_rollout=partial))
     await eng.start()
     try:
-        req = asyncio.ensure_future(eng.generate(PROMPT, Sampling(max_tokens=160, ignore_eos=True), "r"))
-        while eng.tokens_out == 0 and not eng._running:
-            await asyncio.sleep(0.05)
-        await asyncio.sleep(6)  # some tokens sampled with version 0
+        # the update lands about a third of the way into the request: timed by a first request of the same length
+        # now, not by a fixed sleep (on a loaded 2-core machine 160 tokens took anywhere from under 6 s to much more)
+        t0 = time.monotonic()
+        await eng.generate(PROMPT, Sampling(max_tokens=N, ignore_eos=True), "warm")
+        took = time.monotonic() - t0
+        req = asyncio.ensure_future(eng.generate(PROMPT, Sampling(max_tokens=N, ignore_eos=True), "r"))
+        while not eng._running:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(took / 3)  # some tokens sampled with version 0
         await eng.receive_weights("object_store", pack(new_state, 1), 1)
         gen = await asyncio.wait_for(req, 600)
         return gen, eng.preemptions
@@ -55,8 +62,8 @@ def test_partial_rollout_continues_with_the_new_weights_and_tags_each_token():
             p.mul_(1 + 0.05 * torch.randn_like(p))
     gen, preemptions = asyncio.run(_run(path, True, new.state_dict()))
     k = gen.versions.count(0)
-    assert len(gen.token_ids) == 160 and gen.finish_reason == "length" and preemptions == 1
-    assert 0 < k < 160 and gen.versions == [0] * k + [1] * (160 - k), gen.versions  # stopped once, continued
+    assert len(gen.token_ids) == N and gen.finish_reason == "length" and preemptions == 1
+    assert 0 < k < N and gen.versions == [0] * k + [1] * (N - k), gen.versions  # stopped once, continued
     lp = torch.tensor(gen.logprobs)
     by_old, by_new = _logprobs(old, PROMPT, gen.token_ids), _logprobs(new, PROMPT, gen.token_ids)
     assert (lp[:k] - by_old[:k]).abs().max() < 0.05  # the first part: sampled by version 0
@@ -72,4 +79,4 @@ def test_without_partial_rollout_the_update_waits_for_the_request():
     path = resolve_model("smollm2")
     new = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     gen, preemptions = asyncio.run(_run(path, False, new.state_dict()))
-    assert len(gen.token_ids) == 160 and preemptions == 0 and set(gen.versions) == {0}
+    assert len(gen.token_ids) == N and preemptions == 0 and set(gen.versions) == {0}
