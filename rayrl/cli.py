@@ -120,10 +120,7 @@ def run_driver(driver, cfg) -> int:
     except (ConfigError, DataError) as e:
         print(f"rayrl: {'config' if isinstance(e, ConfigError) else 'data'} error: {e}", file=sys.stderr)
         return 2
-    except RoleLost as e:  # Ray could not restart it: why is in its log
-        print(f"rayrl: {e}{logs.where(folder, 'rayrl/' + e.role)}", file=sys.stderr)
-        return 1
-    except LearnerLost as e:  # why each rank died is in its log
+    except (RoleLost, LearnerLost) as e:  # not restarted, or not back in time: why is in their logs
         print(f"rayrl: {e}{''.join(logs.where(folder, 'rayrl/' + n) for n in e.names)}", file=sys.stderr)
         return 1
     except ConnectionError as e:

@@ -47,6 +47,7 @@ class RoleLost(ConnectionError):
     def __init__(self, role: str, timeout: float):
         super().__init__(f"{role} died and did not come back within trainer.recover_timeout={timeout:g}s")
         self.role = role
+        self.names = [role]  # as LearnerLost's: the console line names their logs
 
 
 class LearnerLost(ConnectionError):

@@ -38,7 +38,7 @@ async def _run(path: str, partial: bool, new_state: dict):
         await eng.generate(PROMPT, Sampling(max_tokens=N, ignore_eos=True), "warm")
         took = time.monotonic() - t0
         req = asyncio.ensure_future(eng.generate(PROMPT, Sampling(max_tokens=N, ignore_eos=True), "r"))
-        while not eng._running:
+        while not eng._running and not req.done():  # (done first: the assertions below say so)
             await asyncio.sleep(0.01)
         await asyncio.sleep(took / 3)  # some tokens sampled with version 0
         await eng.receive_weights("object_store", pack(new_state, 1), 1)
