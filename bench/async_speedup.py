@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -76,7 +77,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"async_speedup: {name}: {' '.join(cmd[2:])}", flush=True)
         t0 = time.perf_counter()
         with open(os.path.join(out, "console.log"), "w") as log:
-            rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=a.timeout).returncode
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+            try:
+                rc = proc.wait(timeout=a.timeout)
+            except subprocess.TimeoutExpired:  # Ctrl-C: the run stops its actors and writes its trace
+                proc.send_signal(signal.SIGINT)
+                try:
+                    rc = proc.wait(timeout=90)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    rc = proc.wait()
+                print(f"async_speedup: {name}: stopped after --timeout {a.timeout:.0f} s", flush=True)
         row = {"run": name, "rc": rc, "process_s": time.perf_counter() - t0}
         metrics = os.path.join(out, "metrics.jsonl")
         row.update(summarize(metrics) if os.path.exists(metrics) else {})

@@ -279,7 +279,8 @@ class _VLLM:
             os.remove(path)
 
     def shutdown(self) -> None:
-        self.llm.shutdown()
+        if hasattr(self, "llm"):  # not when start() failed or was interrupted before vLLM came up
+            self.llm.shutdown()
         self.shm.remove()
 
 

@@ -58,3 +58,26 @@ def _dead(h) -> bool:
         return False
     except ray.exceptions.RayActorError:
         return True
+
+
+def test_engine_whose_start_failed_shuts_down_cleanly(tmp_path):
+    """A vLLM engine whose start raised (here: model.path is not a model; on the H200, a test's time-out inside
+    vLLM's start) shuts down without an AttributeError of its own hiding that error, and removes its dir."""
+    import asyncio
+
+    from rayrl.config import EngineConfig
+    from rayrl.engine import Engine
+
+    not_a_model = tmp_path / "empty"
+    not_a_model.mkdir()
+    engine = Engine(str(not_a_model), EngineConfig())
+
+    async def go():
+        with pytest.raises(Exception) as failed:
+            await engine.start()
+        path = engine._backend.shm.path
+        await engine.shutdown()
+        return failed.value, path
+
+    err, path = asyncio.run(go())
+    assert not isinstance(err, AttributeError) and not os.path.exists(path)

@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Issue #18's speed-up on one GPU: bench/async_speedup.py over the ReTool RL job of retool_gpu.sh (the SFT'd tiny
+# model in /tmp/rayrl-sft/hf, the tool agent with the local sandbox, 2-5-term questions), with train_gpu.sh's
+# one-GPU layout (engine 0.4 GPU / 30% of memory, CUDA graphs; learner 0.5 GPU), the same trained samples per run.
+#   bash bench/gpu/retool_gpu.sh sft OUT                       # first, in the same warm period (~60 s)
+#   RUNS=s0,s1p STEPS=10 bash bench/gpu/async_gpu.sh OUT [more overrides]
+# Every run has retool_gpu.sh's settings (rollout.concurrency 256 = one batch of 32 x 8, sandbox 8 at once): an async
+# run fills the slots of a step's finished episodes with the next step's while the last ones finish and the learner
+# trains. Each run's actor logs are packed into OUT/<run>/logs.tgz.
+set -uo pipefail
+out=${1:?OUT}; shift
+mkdir -p "$out"
+python bench/async_speedup.py --runs "${RUNS:-s0,s1p}" --steps "${STEPS:-10}" --out "$out" \
+  --val-size "${VAL_SIZE:-128}" --timeout "${RUN_TIMEOUT:-400}" -- \
+  model.path=/tmp/rayrl-sft/hf model.dtype=bfloat16 \
+  engine.gpus_per_engine=0.4 engine.gpu_memory_utilization=0.3 engine.enforce_eager=false engine.max_num_seqs=256 \
+  learner.gpus_per_worker=0.5 learner.lr=2.0e-5 learner.micro_batch_size=32 \
+  rollout.n=8 rollout.max_response_length=384 rollout.concurrency=256 reward.num_procs=8 sandbox.max_concurrency=8 \
+  'data.gym_kwargs={min_terms: 2, max_terms: 5, min_digits: 1, max_digits: 4}' \
+  trainer.batch_size=32 trainer.seed=1 trainer.experiment_name=gpu_async "$@" 2>&1 | tail -n 20
+rc=${PIPESTATUS[0]}
+for d in "$out"/*/; do tar -czf "$d/logs.tgz" -C "$d" logs 2>/dev/null; rm -rf "$d/logs" "$d/checkpoints" "$d/trace"; tail -n 4 "$d/console.log" | sed "s|^|$(basename "$d"): |"; done
+echo "== GPU after: $(nvidia-smi --query-gpu=memory.used --format=csv,noheader) used; leftover: $(ps -eo cmd | grep -cE 'raylet|EngineCore' ) procs"
+exit "$rc"
