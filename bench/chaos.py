@@ -1,7 +1,8 @@
-"""Chaos, the long version of tests/chaos: one training run on a local Ray, `--faults` SIGKILLs of random roles (a
-rollout worker, the RewardActor, a sandbox actor, the TaskQueue, the Gateway, the engine), each at a random moment
-of a step's rollout while episodes are in flight. From the task ids in the run's trace: tasks issued, trajectories
-collected, lost and duplicated, and the failed trajectories (an actor's death must never become one).
+"""Chaos, the long version of tests/chaos: one training run on a local Ray, `--faults` SIGKILLs of the roles in turn
+(a rollout worker, the RewardActor, a sandbox actor, the TaskQueue, the Gateway, the engine; shuffled by `--seed`),
+each at a random moment of a step's rollout while episodes are in flight. From the task ids in the run's trace:
+tasks issued, trajectories collected, lost and duplicated, and the failed trajectories (an actor's death must never
+become one).
 
     python bench/chaos.py                         # 20 faults, SmolLM2-135M on CPU
     python bench/chaos.py --faults 6 --model /path/to/hf --seed 1
@@ -56,7 +57,8 @@ def main() -> int:
         "rollout.agent": "tests.chaos.roles:agent", "rollout.agent_config": json.dumps({"sleep": 2.0}),
         "reward.fn": "tests.chaos.roles:score", "sandbox.num_actors": 1, "sandbox.cpus_per_actor": 0.5,
         "rollout.infra_retry_delay": 2, "rollout.infra_retries": 6, "trainer.recover_timeout": 300}.items()])
-    plan = [rng.choice(ROLES) for _ in range(args.faults)]
+    plan = [ROLES[k % len(ROLES)] for k in range(args.faults)]  # every role in turn, in a random order
+    rng.shuffle(plan)
     killed: list[tuple[str, float]] = []
     errors: list[BaseException] = []
     generation = Counter()

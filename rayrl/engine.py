@@ -57,6 +57,8 @@ class Engine:
         await self._backend.start()
 
     async def generate(self, prompt_ids: list[int], sampling: Sampling, request_id: str | None = None) -> Generation:
+        if self._backend is None:  # Ray restarted this actor; the driver starts it (rayrl.recovery.recover)
+            raise RuntimeError(f"{self.name}: not started (restarting after its process died)")
         self.inflight += 1
         try:
             ids, lps, finish, versions = await asyncio.wait_for(

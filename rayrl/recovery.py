@@ -8,7 +8,8 @@
   rayrl.cluster). A new pid is a restart, which `recover` finishes: an engine is started and gets the current
   weights, the Gateway listens again on its port, the TaskQueue is refilled with every task not yet collected (the
   driver's ledger, rayrl.train.Feeder). A role that gives no pid for `trainer.recover_timeout` s raises `RoleLost`.
-- In the weight sync (`sync`), an engine that died is restarted the same way and every engine gets the weights.
+- In the weight sync (`sync`), an engine that died is restarted the same way and every engine gets the weights
+  (with `engine.weight_sync: broadcast`, after the process group is formed again with the new process in it).
 - A learner rank is not restarted: it holds the only copy of its FSDP shard of the model and optimizer state. One
   that died in the update, the sync or a save stops the run with `LearnerLost` (one line naming it and the
   checkpoint a rerun resumes from: `trainer.save_freq` / `trainer.save_interval_s` bound what is lost).
@@ -191,22 +192,28 @@ def sync(cfg, actors, version: int, before_lost: Callable[[], object] | None = N
                 raise
         recover(cfg, actors, restarted, [], version)
         others = [eng for name, eng in engines.items() if name not in restarted]
-        if others:
+        if others and actors.weight_sync != "broadcast":  # broadcast: recover gave every engine the weights
             push(actors.weight_sync, actors.learners, others, version, cfg.engine.sync_timeout)
 
 
 def recover(cfg, actors, restarted: list[str], tasks: list, version: int) -> None:
     """Finish the restart of each role in `restarted` (Watch names): an engine starts and gets the learners' weights
     at `version`, the Gateway listens again on its port, the queue gets `tasks` (every task not yet collected) back.
-    The RewardActor and the sandboxes are stateless: nothing to do."""
+    The RewardActor and the sandboxes are stateless: nothing to do. With `broadcast` a restarted engine is a new
+    process outside the process group: every member forms a new one, and every engine gets the weights."""
+    engines = [actors.engines[int(n.partition("/")[2])] for n in restarted if n.startswith("engine/")]
+    for eng in engines:
+        ray.get(eng.start.remote(), timeout=cfg.engine.sync_timeout + 600)
+    if engines and actors.weight_sync == "broadcast":
+        from rayrl import weight_sync
+
+        weight_sync.connect(cfg, actors.learners, actors.engines, mode="broadcast")
+        engines = actors.engines
+    if engines and version:
+        push(actors.weight_sync, actors.learners, engines, version, cfg.engine.sync_timeout)
     for name in restarted:
-        role, _, idx = name.partition("/")
-        if role == "engine":
-            eng = actors.engines[int(idx)]
-            ray.get(eng.start.remote(), timeout=cfg.engine.sync_timeout + 600)
-            if version:
-                push(actors.weight_sync, actors.learners, [eng], version, cfg.engine.sync_timeout)
-        elif role == "gateway":
+        role = name.partition("/")[0]
+        if role == "gateway":
             ray.get(actors.gateway.start.remote(port=actors.gateway_port), timeout=120)
         elif role == "queue" and tasks:
             ray.get(actors.queue.put.remote(tasks), timeout=60)

@@ -241,6 +241,7 @@ class LocalCluster:
         self.gcs_port = free_port()
         self.dashboard_port = free_port()
         self.metrics_ports: list[int] = []
+        self.workers: list[list] = []  # per worker node, the processes its `ray start` left (psutil)
 
     @property
     def address(self) -> str:
@@ -271,8 +272,29 @@ class LocalCluster:
         return self
 
     def add_worker(self, num_cpus: int = 4, resources: dict | None = None) -> LocalCluster:
+        before = {p.pid for p in self.processes()}
         self._start([f"--address={self.address}"], num_cpus, resources)
+        self.workers.append([p for p in self.processes() if p.pid not in before])  # its raylet, agents, monitor
         return self
+
+    def kill_worker(self, i: int = 0) -> int:
+        """SIGKILL every process of the i-th worker node (as a lost machine): the ones `ray start` left and the
+        workers its raylet has forked since. Returns how many were killed."""
+        import psutil
+
+        procs = {p.pid: p for p in self.workers[i]}
+        for p in self.workers[i]:
+            try:
+                procs.update({c.pid: c for c in p.children(recursive=True)})
+            except psutil.NoSuchProcess:
+                pass
+        for p in procs.values():
+            try:
+                p.send_signal(signal.SIGKILL)
+            except psutil.NoSuchProcess:
+                pass
+        psutil.wait_procs(list(procs.values()), timeout=10)
+        return len(procs)
 
     def processes(self) -> list:
         """This cluster's Ray processes (found by the temp dir or, for the head's `ray.util.client.server`, the GCS

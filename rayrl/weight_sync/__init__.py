@@ -82,11 +82,11 @@ def _same_gpu(a: tuple, b: tuple) -> bool:
     return a[0] == b[0] and bool(set(a[1]) & set(b[1]))
 
 
-def connect(cfg, learners: list, engines: list) -> str:
-    """Resolve `engine.weight_sync` and run the strategy's one-time setup (broadcast: form the process group).
-    Returns the strategy `push` will use."""
+def connect(cfg, learners: list, engines: list, mode: str | None = None) -> str:
+    """Resolve `engine.weight_sync` (or take the resolved `mode`, to form a broadcast group again after an engine's
+    restart) and run the strategy's setup (broadcast: form the process group). Returns the strategy `push` will use."""
     timeout = cfg.engine.sync_timeout
-    mode = cfg.engine.weight_sync
+    mode = mode or cfg.engine.weight_sync
     if mode == "auto":
         places = wait({**{f"learner/{r}": ln.gpus.remote() for r, ln in enumerate(learners)},
                        **{f"engine/{i}": eng.gpus.remote() for i, eng in enumerate(engines)}}, timeout, "auto")

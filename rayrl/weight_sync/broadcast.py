@@ -1,6 +1,8 @@
 """broadcast: a process group of learner rank 0 (rank 0) + every engine worker (nccl on GPU, gloo on CPU), made
-once at `connect` with vLLM's stateless_init_torch_distributed_process_group. Rank 0 sends the layout once, then
-each sync broadcasts buckets of `engine.sync_bucket_mb` while the engine workers receive and load them.
+at `connect` with vLLM's stateless_init_torch_distributed_process_group. Rank 0 sends the layout once, then
+each sync broadcasts buckets of `engine.sync_bucket_mb` while the engine workers receive and load them. A restarted
+engine is a new process outside the group: the driver forms it again (`connect` once more, every member leaving the
+old one; rayrl.recovery.recover).
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ class Sender:
         self.buf: torch.Tensor | None = None
 
     def connect(self, model: torch.nn.Module, g: Group) -> None:
+        self.close()  # a group formed again (an engine restarted, rayrl.recovery) replaces the old one
         self.buckets = plan(specs(model, self.dtype), self.bucket_bytes)
         self.device = torch.device("cuda", torch.cuda.current_device()) if g.backend == "nccl" else torch.device("cpu")
         self.pg = _group(g.host, g.port, g.rank, g.world_size, g.backend, g.timeout)
@@ -149,6 +152,11 @@ class WorkerReceiver:
 
     def receive(self, worker) -> int:
         return load(worker, self._buckets())
+
+    def close(self) -> None:
+        from vllm.distributed.utils import stateless_destroy_torch_distributed_process_group
+
+        stateless_destroy_torch_distributed_process_group(self.pg)
 
     def _buckets(self) -> Iterator[list[tuple[str, torch.Tensor]]]:
         """Yields each bucket's views as it lands. On GPU they share one buffer (valid until the next bucket);

@@ -22,6 +22,9 @@ class WorkerExtension:
 
         if self._rayrl_receivers is None:
             self._rayrl_receivers = {}
+        old = self._rayrl_receivers.pop(strategy, None)
+        if old is not None and hasattr(old, "close"):  # broadcast: leave the old group (a member of it died)
+            old.close()
         self._rayrl_receivers[strategy] = STRATEGIES[strategy].WorkerReceiver(self, *setup)
 
     def rayrl_receive(self, strategy: str, *args):

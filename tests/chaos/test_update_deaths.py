@@ -1,7 +1,8 @@
 """Chaos between rollout and rollout: SIGKILL once step 2's trajectories are all collected, while the learners train
 on them and the weights go to the engine.
-- the engine: Ray restarts it, and the weight sync (rayrl.recovery.sync) starts it and gives it the new weights; the
-  run completes with every task collected once and none failed;
+- the engine: Ray restarts it, and the weight sync (rayrl.recovery.sync) starts it and gives it the new weights (with
+  object_store, and with broadcast after forming the process group again); the run completes with every task
+  collected once and none failed;
 - a learner rank (FSDP, 2 ranks): not restarted (it held the only copy of its shard); the run stops with one line
   naming the rank and the checkpoint a rerun resumes from."""
 
@@ -62,13 +63,16 @@ def job(tiny_model: str, out: str, **extra) -> list[str]:
         **extra})
 
 
-def test_an_engine_killed_in_the_update_is_restarted_and_synced(tiny_model, ray_cluster, tmp_path, capfd):
+@pytest.mark.parametrize("mode", ["object_store", "broadcast"])
+def test_an_engine_killed_in_the_update_is_restarted_and_synced(mode, tiny_model, ray_cluster, tmp_path, capfd):
+    """broadcast (gloo here, NCCL on GPUs): the restarted engine is a new process, outside the learner -> engines
+    group; the group is formed again with it before the sync."""
     from rayrl.train import train
 
     out = str(tmp_path / "run")
     killed, failures = [], []
     killer = kill_after_rollout(out, "rayrl/engine/0", killed, failures)
-    summary = train(load_config(None, job(tiny_model, out)))
+    summary = train(load_config(None, job(tiny_model, out, **{"engine.weight_sync": mode})))
     killer.join(timeout=10)
     assert not failures, failures
     assert len(killed) == 1 and summary["step"] == 3
