@@ -1,5 +1,6 @@
-"""Chaos, the long version of tests/chaos: one training run on a local Ray, `--faults` SIGKILLs of the roles in turn
-(a rollout worker, the RewardActor, a sandbox actor, the TaskQueue, the Gateway, the engine; shuffled by `--seed`),
+"""Chaos, the long version of tests/chaos: one training run on a head + worker Ray cluster (two `ray start` nodes on
+this machine), `--faults` SIGKILLs of the roles in turn (a rollout worker, the RewardActor, a sandbox actor, the
+TaskQueue, the Gateway, the engine, and the whole worker node, after which a new one joins; shuffled by `--seed`),
 each at a random moment of a step's rollout while episodes are in flight. From the task ids in the run's trace:
 tasks issued, trajectories collected, lost and duplicated, and the failed trajectories (an actor's death must never
 become one).
@@ -30,8 +31,19 @@ from rayrl.config import load_config  # noqa: E402
 from rayrl.models import make_tiny_model, resolve_model  # noqa: E402
 from rayrl.train import train  # noqa: E402
 from tests.chaos import roles  # noqa: E402
+from tests.helpers import LocalCluster  # noqa: E402
 
-ROLES = ["rayrl/rollout/0", "rayrl/reward/0", "rayrl/sandbox/0", "rayrl/queue", "rayrl/gateway", "rayrl/engine/0"]
+ROLES = ["rayrl/rollout/0", "rayrl/reward/0", "rayrl/sandbox/0", "rayrl/queue", "rayrl/gateway", "rayrl/engine/0",
+         "node"]
+WORKER = {"worker_node": 1}
+
+
+def newest(name: str) -> str:
+    """The live actor of a role: a dead rollout worker's replacement has the next name (rayrl/rollout/0.1, ...)."""
+    if name != "rayrl/rollout/0":
+        return name
+    names = [n for n in ray.util.list_named_actors() if n == name or n.startswith(name + ".")]
+    return max(names, key=lambda n: int(n.rpartition(".")[2]) if n != name else 0)
 
 
 def main() -> int:
@@ -47,7 +59,13 @@ def main() -> int:
     out = args.out or tempfile.mkdtemp(prefix="rayrl-chaos-")
     steps = args.faults + 1
     model = make_tiny_model(os.path.join(out, "tiny-qwen2")) if args.model == "tiny" else resolve_model(args.model)
-    ray.init(num_cpus=max(8, 4 * (os.cpu_count() or 2)), include_dashboard=False, namespace="rayrl-chaos",
+    # head + worker node on this machine: the engine and learner on the head; the rollout worker, RewardActor and
+    # sandbox actor on the worker, which a `node` fault kills whole (then a new one joins, as `ray start` would)
+    cluster = LocalCluster().start_head(num_cpus=6, resources={"head_node": 1}).add_worker(num_cpus=3,
+                                                                                          resources=WORKER)
+    os.environ.update({k: v for k, v in cluster.env.items() if k.startswith("RAY_AUTH")})
+    ray._raylet.Config.initialize("")  # Ray read its auth settings at import: read them again for this cluster
+    ray.init(address=cluster.address, namespace="rayrl-chaos",
              runtime_env={"env_vars": {"PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}})
     cfg = load_config(None, [f"{k}={v}" for k, v in {
         "model.path": model, "trainer.output_dir": out, "trainer.total_steps": steps,
@@ -56,12 +74,13 @@ def main() -> int:
         "data.max_prompt_length": 192, "gateway.port": 0, "reward.timeout": 5,
         "rollout.agent": "tests.chaos.roles:agent", "rollout.agent_config": json.dumps({"sleep": 2.0}),
         "reward.fn": "tests.chaos.roles:score", "sandbox.num_actors": 1, "sandbox.cpus_per_actor": 0.5,
-        "rollout.infra_retry_delay": 2, "rollout.infra_retries": 6, "trainer.recover_timeout": 300}.items()])
+        "rollout.infra_retry_delay": 2, "rollout.infra_retries": 6, "trainer.recover_timeout": 300,
+        **{f"placement.{role}_resources": "{head_node: 0.01}" for role in ("engine", "learner")},
+        **{f"placement.{role}_resources": "{worker_node: 0.01}" for role in ("rollout", "reward", "sandbox")}}.items()])
     plan = [ROLES[k % len(ROLES)] for k in range(args.faults)]  # every role in turn, in a random order
     rng.shuffle(plan)
     killed: list[tuple[str, float]] = []
     errors: list[BaseException] = []
-    generation = Counter()
 
     def chaos() -> None:
         try:
@@ -69,16 +88,22 @@ def main() -> int:
                 while not (roles.steps_logged(out) > k and roles.in_flight() >= 1):  # step k + 2's rollout
                     time.sleep(0.2)
                 time.sleep(rng.uniform(0.0, 1.0))
-                # a dead worker's replacement has the next name: rayrl/rollout/0.1, ...
-                roles.kill(f"{name}.{generation[name]}" if generation[name] else name)
-                generation[name] += name == "rayrl/rollout/0"
+                if name == "node":  # every process of the worker node, then a new node joins
+                    cluster.kill_worker(len(cluster.workers) - 1)
+                    cluster.add_worker(num_cpus=3, resources=WORKER)
+                else:
+                    roles.kill(newest(name))
                 killed.append((name, time.time()))
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
     threading.Thread(target=chaos, daemon=True).start()
     t0 = time.time()
-    summary = train(cfg)
+    try:
+        summary = train(cfg)
+    finally:
+        ray.shutdown()
+        cluster.stop()
     count = roles.ledger(out, steps, args.batch_size * args.n, args.batch_size)
     per_role = Counter(name for name, _ in killed)
     print(f"\n{'role':<18}{'faults':>7}")
