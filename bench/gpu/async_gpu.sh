@@ -6,7 +6,8 @@
 #   RUNS=s0,s1p STEPS=10 bash bench/gpu/async_gpu.sh OUT [more overrides]
 # Every run has retool_gpu.sh's settings (rollout.concurrency 256 = one batch of 32 x 8, sandbox 8 at once): an async
 # run fills the slots of a step's finished episodes with the next step's while the last ones finish and the learner
-# trains. Each run's actor logs are packed into OUT/<run>/logs.tgz.
+# trains. Each run's actor logs are packed into OUT/<run>/logs.tgz. WORKERS=k splits those 256 episodes over k rollout
+# workers (processes; each with its own sandbox pool of SLOTS): one worker's event loop runs every agent otherwise.
 set -uo pipefail
 out=${1:?OUT}; shift
 mkdir -p "$out"
@@ -15,7 +16,8 @@ python bench/async_speedup.py --runs "${RUNS:-s0,s1p}" --steps "${STEPS:-10}" --
   model.path=/tmp/rayrl-sft/hf model.dtype=bfloat16 \
   engine.gpus_per_engine=0.4 engine.gpu_memory_utilization=0.3 engine.enforce_eager=false engine.max_num_seqs=256 \
   learner.gpus_per_worker=0.5 learner.lr=2.0e-5 learner.micro_batch_size=32 \
-  rollout.n=8 rollout.max_response_length=384 rollout.concurrency=256 reward.num_procs=8 sandbox.max_concurrency=8 \
+  rollout.n=8 rollout.max_response_length=384 rollout.num_workers="${WORKERS:-1}" \
+  rollout.concurrency=$((256 / ${WORKERS:-1})) reward.num_procs=8 sandbox.max_concurrency="${SLOTS:-8}" \
   'data.gym_kwargs={min_terms: 2, max_terms: 5, min_digits: 1, max_digits: 4}' \
   trainer.batch_size=32 trainer.seed=1 trainer.experiment_name=gpu_async "$@" 2>&1 | tail -n 20
 rc=${PIPESTATUS[0]}
