@@ -14,6 +14,8 @@ next call for want of tokens (`sessions.ran_out`) gives a truncated trajectory, 
 from __future__ import annotations
 
 import asyncio
+import collections
+import itertools
 import time
 import traceback
 
@@ -42,9 +44,20 @@ class Rollout:
         self.agent_fn = check_callable(cfg.rollout.agent, "rollout.agent")
         self._http, self._http_loop = None, None
         self._waits = WaitingSessions(None)  # the transport of self._http
+        # Event-loop lag (`_watch_loop`): (perf_counter, seconds a LAG_TICK sleep overran), the last ~10 minutes
+        self._lags: collections.deque[tuple[float, float]] = collections.deque(maxlen=int(600 / LAG_TICK))
 
     async def run(self) -> None:
-        """Lease and run episodes for as long as the actor lives (the driver sees it end only when it dies).
+        """Lease and run episodes (`_dispatch`) for as long as the actor lives (the driver sees it end only when it
+        dies), watching the event loop's lag meanwhile."""
+        watch = asyncio.create_task(self._watch_loop())
+        try:
+            await self._dispatch()
+        finally:
+            watch.cancel()
+
+    async def _dispatch(self) -> None:
+        """Lease episodes and run up to `rollout.concurrency` at once.
 
         Dispatch is batched: finished trajectories wait in an outbox and go to the queue with the next lease
         (`ack_and_lease`, for up to the free slots), one such call in flight at a time, so that a call carries what
@@ -83,6 +96,20 @@ class Rollout:
                 leases = lease_call.result()
                 lease_call, short = None, len(leases) < asked
                 episodes.update(start(self._episode(task)) for _, task in leases)
+
+    async def _watch_loop(self) -> None:
+        """How late this worker's event loop wakes up: every episode (agents, HTTP to the Gateway, the sandbox pool's
+        pipes) shares it, so a busy loop shows as slower LLM and tool calls. Each trajectory gets the lag seen while
+        it ran (`timings` loop_lag_mean / loop_lag_max; step metrics rollout/loop_lag_*)."""
+        while True:
+            t = time.perf_counter()
+            await asyncio.sleep(LAG_TICK)
+            now = time.perf_counter()
+            self._lags.append((now, max(now - t - LAG_TICK, 0.0)))
+
+    def _lag_since(self, t0: float) -> dict[str, float]:
+        lags = [lag for _, lag in itertools.takewhile(lambda e: e[0] >= t0, reversed(self._lags))]
+        return {"loop_lag_mean": sum(lags) / len(lags), "loop_lag_max": max(lags)} if lags else {}
 
     def _take_outbox(self) -> list[Trajectory]:
         out, self._outbox = self._outbox, []
@@ -222,7 +249,7 @@ class Rollout:
 
     def _trajectory(self, task: Task, s: SessionRecord, t0: float, error: str | None = None, reward=None, answer=None,
                     metadata=None, timings=None) -> Trajectory:
-        timings = dict(timings or {})
+        timings = {**(timings or {}), **self._lag_since(t0)}
         timings["total"] = time.perf_counter() - t0
         # one trace span per engine call (rayrl.trace), from the Gateway's record
         events = [{"name": "llm", "start": t.start, "end": t.end,
@@ -237,6 +264,9 @@ class Rollout:
                           answer=answer, metadata=metadata or {}, finish_reason=s.finish_reason, num_turns=s.num_turns,
                           policy_version=task.policy_version if s.policy_version is None else s.policy_version,
                           timings=timings, error=error, worker=self.worker_id, events=events)
+
+
+LAG_TICK = 0.05  # seconds between the event-loop lag probes of a rollout worker
 
 
 def overlong_penalty(length: int, max_length: int, buffer_len: int, factor: float) -> float:

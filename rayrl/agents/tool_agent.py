@@ -312,13 +312,15 @@ async def _call_tool(ctx: Any, tools: dict[str, _Tool], name: str, args: str, co
         if language == "python":
             code = clean_code(code)
         s0 = time.time()
+        span = {"name": "sandbox", "start": s0, "cat": "tool"}
         try:
             result = await _sandbox(ctx).run(code, language, code_timeout)
+            span["args"] = {"run_s": result.duration}  # the run itself; the span also holds the wait for a slot
         except SandboxFull as e:
             meta["sandbox_errors"] += 1
             return f"[sandbox: {e}]"
         finally:
-            meta["events"].append({"name": "sandbox", "start": s0, "end": time.time(), "cat": "tool"})
+            meta["events"].append({**span, "end": time.time()})
         meta["sandbox_errors"] += result.error is not None
         meta["code_errors"] += result.error is None and result.exit_code != 0
         return format_result(result)

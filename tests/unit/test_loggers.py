@@ -103,3 +103,19 @@ def test_phase_shares_split_the_step_exclusively():
     s = phase_shares(trajs, start=0.0, rollout_end=10.0, learner_s=6.0, sync_s=2.0, step_s=20.0)
     want = {"generate": 6, "tool": 1, "reward": 1, "rollout_idle": 2, "learner": 6, "sync": 2, "other": 2}
     assert s == pytest.approx({f"time/share_{k}": v / 20 for k, v in want.items()})
+
+
+def test_step_metrics_split_the_sandbox_run_from_the_wait_and_report_the_loop_lag():
+    from rayrl.train import step_metrics
+    from rayrl.types import Trajectory
+
+    def traj(spans, lag):
+        return Trajectory(task_id="t", group_id="g", step=1, data_source="d", reward=1.0,
+                          events=[{"name": "sandbox", "start": 0.0, "end": end, "args": {"run_s": run}}
+                                  for end, run in spans],
+                          timings={"loop_lag_mean": lag, "loop_lag_max": 2 * lag})
+
+    m = step_metrics([traj([(4.0, 0.1), (2.0, 0.3)], 0.01), traj([(3.0, 0.2)], 0.03)], groups=[], dropped=0,
+                     learn={}, t_rollout=10.0, sync_s=0.0, version=1, step_s=12.0)
+    assert m["sandbox/latency_s"] == pytest.approx(3.0) and m["sandbox/run_s"] == pytest.approx(0.2)
+    assert m["rollout/loop_lag_mean_s"] == pytest.approx(0.02) and m["rollout/loop_lag_max_s"] == pytest.approx(0.06)

@@ -48,6 +48,13 @@ async def gateway_down_once(ctx, config: dict) -> dict:
     return {"reward": 1.0, "answer": "", "metadata": {}}
 
 
+async def blocks(ctx, config: dict) -> dict:
+    """Holds the worker's event loop for `config["block"]` s (CPU work in an agent), then yields to it."""
+    time.sleep(config["block"])
+    await asyncio.sleep(0.1)
+    return {"reward": 1.0, "answer": "", "metadata": {}}
+
+
 def tasks(n: int) -> list[Task]:
     return [Task(task_id=f"s0/p{i}/{i % 4}", group_id=f"s0/p{i}", step=0, messages=[{"role": "user", "content": "q"}],
                  ground_truth="1", data_source="t") for i in range(n)]
@@ -130,3 +137,23 @@ def test_an_infrastructure_failure_still_sends_the_task_back_to_be_run_again(tin
     assert sorted(t.task_id for t in got) == sorted(t.task_id for t in tasks(20))
     assert {t.error for t in got} == {NO_CALL}  # the second run's outcome, not the Gateway's failure
     assert stats["retried_total"] == 20 and stats["completed_total"] == 20 and stats["leased"] == 0
+
+
+def test_each_trajectory_reports_how_late_the_workers_event_loop_woke_up(tiny_model):
+    """An agent that holds the loop for 0.3 s delays everything else on the worker (the other episodes' LLM and
+    sandbox calls): its trajectories say so; those of agents that only await do not."""
+
+    async def go(agent: str, **agent_config) -> list[Trajectory]:
+        queue = TaskQueue()
+        await queue.put(tasks(4))
+        run = asyncio.create_task(worker(tiny_model, queue, agent, concurrency=2, **agent_config).run())
+        try:
+            return await collect(queue, 4, timeout=30)
+        finally:
+            run.cancel()
+
+    blocked = asyncio.run(go("blocks", block=0.3))
+    free = asyncio.run(go("sleeps", seconds=0.3))
+    assert len(blocked) == len(free) == 4
+    assert all(t.timings["loop_lag_max"] >= 0.25 for t in blocked), [t.timings for t in blocked]
+    assert all(t.timings["loop_lag_max"] < 0.15 for t in free), [t.timings for t in free]

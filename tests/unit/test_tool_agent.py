@@ -38,6 +38,8 @@ def test_tool_call_then_final_answer() -> None:
     assert assistant["tool_calls"][0]["function"]["name"] == "code_interpreter"
     assert tool == {"role": "tool", "tool_call_id": "call_0", "content": "34"}
     assert {e["name"] for e in meta["events"]} == {"llm", "sandbox", "tool:code_interpreter"}
+    [span] = [e for e in meta["events"] if e["name"] == "sandbox"]  # the run alone, inside the call's span
+    assert 0 < span["args"]["run_s"] <= span["end"] - span["start"]
 
 
 def test_hermes_call_left_in_the_text_is_parsed() -> None:
