@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 from typing import Any
 
 from rayrl.config import SandboxConfig
@@ -37,6 +38,9 @@ class SandboxPool:
         """Built on first use: a pool whose agent never runs code costs nothing (no isolation probe)."""
         if self._backend is None:
             self._backend = BACKENDS[self.config.backend](self.config)
+            # into the actor's log: which path every run takes here (a zygote fork, or a new interpreter per run)
+            print(f"rayrl sandbox: {self.config.backend} backend, {self.config.max_concurrency} slots, isolation "  # noqa: T201
+                  f"{self._backend.isolation}", file=sys.stderr, flush=True)
         return self._backend
 
     @property

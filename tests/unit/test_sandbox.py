@@ -23,8 +23,11 @@ async def run_all(pool: SandboxPool, codes: list[str], **kw) -> list:
         await pool.close()
 
 
-def test_stdout_stderr_exit_code() -> None:
+def test_stdout_stderr_exit_code(capsys) -> None:
     ok, bad = arun(run_all(SandboxPool(), ["print(6 * 7)", "import sys\nprint('out')\nraise ValueError('boom')"]))
+    # once per pool, into the actor's log: the path its runs take (zygote or a new interpreter per run)
+    [line] = [x for x in capsys.readouterr().err.splitlines() if x.startswith("rayrl sandbox:")]
+    assert line.startswith("rayrl sandbox: local backend, 4 slots, isolation {") and "'zygote': " in line, line
     assert ok == ExecResult("42\n", "", 0, ok.duration, None) and ok.ok
     assert bad.exit_code == 1 and bad.error is None and not bad.ok
     assert bad.stdout == "out\n" and "ValueError: boom" in bad.stderr
