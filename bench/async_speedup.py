@@ -48,7 +48,11 @@ def summarize(metrics_path: str) -> dict:
     return {"steps": len(steps), "wall_s": wall, "busy_share": sum(busy) / len(busy),
             "version_span_max": max(m.get("policy/version_span_max", 0) for m in steps),
             "mixed_version_share": sum(m.get("policy/mixed_version_share", 0) for m in steps) / len(steps),
-            "reward": steps[-1].get("reward/mean"), "val_acc": acc}
+            "reward": steps[-1].get("reward/mean"), "val_acc": acc,
+            # where a tool job's rollout waits: a sandbox call (slot wait included), the run alone, the worker's loop
+            **{name: sum(m.get(key, 0.0) for m in steps) / len(steps) for name, key in (
+                ("sandbox_call_s", "sandbox/latency_s"), ("sandbox_run_s", "sandbox/run_s"),
+                ("loop_lag_s", "rollout/loop_lag_mean_s"))}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,13 +101,15 @@ def main(argv: list[str] | None = None) -> int:
         f.writelines(json.dumps(r) + "\n" for r in rows)
     peer = rows[0].get("wall_s")
     print(f"\n| run | exit | steps | training wall s | vs {rows[0]['run']} | busy share | version span max | "
-          "mixed-version trajectories | final reward | val acc |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "mixed-version trajectories | final reward | val acc | sandbox call / run s | loop lag ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         ratio = f"{r['wall_s'] / peer:.2f}x" if peer and r.get("wall_s") else "-"
         print(f"| {r['run']} | {r['rc']} | {r.get('steps', 0)} | {_fmt(r, 'wall_s', '.1f')} | {ratio} | "
               f"{_fmt(r, 'busy_share', '.0%')} | {r.get('version_span_max', '-')} | "
-              f"{_fmt(r, 'mixed_version_share', '.0%')} | {_fmt(r, 'reward', '.3f')} | {_fmt(r, 'val_acc', '.3f')} |")
+              f"{_fmt(r, 'mixed_version_share', '.0%')} | {_fmt(r, 'reward', '.3f')} | {_fmt(r, 'val_acc', '.3f')} | "
+              f"{_fmt(r, 'sandbox_call_s', '.2f')} / {_fmt(r, 'sandbox_run_s', '.3f')} | "
+              f"{_fmt({'ms': r.get('loop_lag_s', 0) * 1000}, 'ms', '.1f')} |")
     return 0 if all(r["rc"] == 0 for r in rows) else 1
 
 
