@@ -103,8 +103,8 @@ def train(cfg: Config) -> dict:
                     val = validate(cfg, actors, val_rows, version, step, log, decode)
                     val["time/val_s"] = time.perf_counter() - v0  # inside time/step_s
                 m = step_metrics(trajs, groups, dropped, learn, t_rollout, sync_s, version, time.perf_counter() - t0)
-                m.update(phase_shares(trajs, w0, w0 + t_rollout, learn.get("time/learner_s", 0.0), sync_s,
-                                      m["time/step_s"]))
+                learner_s = learn.get("time/learner_s", 0.0) + learn.get("time/old_logprob_s", 0.0)
+                m.update(phase_shares(trajs, w0, w0 + t_rollout, learner_s, sync_s, m["time/step_s"]))
                 m.update(val)
                 m.update(colo)
                 log.log(step, m)
@@ -223,10 +223,13 @@ def update(cfg: Config, learners: list, groups: list[list[Trajectory]]) -> dict[
     # the correction needs the proximal log-probs before the first update (decoupled PPO: verl recomputes them too)
     on_policy = (len(minibatches) == 1 and cfg.learner.ppo_epochs == 1 and cfg.algo.max_staleness == 0
                  and not corr.enabled)
+    t_old = time.perf_counter()
     with trace.span("learner/compute_logprobs"):
         olds = None if on_policy else [
             ray.get([ln.compute_logprobs.remote(s) for ln, s in zip(learners, sh, strict=True)], timeout=timeout)
             for sh in shards]
+    # verl's timing_s/old_log_prob: a forward pass over the batch that on-policy steps do not need
+    old_s = {} if olds is None else {"time/old_logprob_s": time.perf_counter() - t_old}
     mismatch = {} if olds is None else rollout_correction(shards, olds, corr, sp)  # sets is_weights / masks
     stats = []
     for epoch in range(cfg.learner.ppo_epochs):
@@ -240,7 +243,8 @@ def update(cfg: Config, learners: list, groups: list[list[Trajectory]]) -> dict[
         mismatch = rollout_correction(shards, [[s.logprobs for s in stats[0]]], corr, sp)
     last = stats[-1]
     learner_s = sum(max(s.seconds for s in st) for st in stats)  # the slowest rank of each optimizer step
-    return {**mismatch, "actor/loss": sum(s.loss for s in last), "actor/pg_clipfrac": sum(s.pg_clipfrac for s in last),
+    return {**mismatch, **old_s,
+            "actor/loss": sum(s.loss for s in last), "actor/pg_clipfrac": sum(s.pg_clipfrac for s in last),
             "actor/ppo_kl": sum(s.ppo_kl for s in last), "actor/entropy": sum(s.entropy for s in last),
             "actor/grad_norm": last[0].grad_norm, "actor/updates": len(stats), "time/learner_s": learner_s,
             # every token a train_step forwarded (prompts and responses, all epochs) per second of train_step

@@ -37,6 +37,7 @@ def test_train_steps_then_resume(tiny_model, ray_cluster, tmp_path):
     assert [r["step"] for r in m] == [1, 2]
     assert all(r["trajectories/total"] == 16 for r in m)
     assert all(r["actor/entropy"] > 0 for r in m if "actor/loss" in r)  # logged every update (entropy_coeff 0)
+    assert not any("time/old_logprob_s" in r for r in m)  # on-policy: train_step's log-probs are the old ones
     assert m[-1]["policy/version"] == 2
 
     before = load_file(os.path.join(tiny_model, "model.safetensors"))
