@@ -50,9 +50,14 @@ def summarize(metrics_path: str) -> dict:
             "mixed_version_share": sum(m.get("policy/mixed_version_share", 0) for m in steps) / len(steps),
             "reward": steps[-1].get("reward/mean"), "val_acc": acc,
             # where a tool job's rollout waits: a sandbox call (slot wait included), the run alone, the worker's loop
-            **{name: sum(m.get(key, 0.0) for m in steps) / len(steps) for name, key in (
-                ("sandbox_call_s", "sandbox/latency_s"), ("sandbox_run_s", "sandbox/run_s"),
-                ("loop_lag_s", "rollout/loop_lag_mean_s"))}}
+            "sandbox_call_s": _mean(steps, "sandbox/latency_s"), "sandbox_run_s": _mean(steps, "sandbox/run_s"),
+            "loop_lag_ms": _mean(steps, "rollout/loop_lag_mean_s", scale=1000)}
+
+
+def _mean(steps: list[dict], key: str, scale: float = 1.0) -> float | None:
+    """The mean of `key` over the steps that report it; None where none does (a run of an older rayrl)."""
+    values = [m[key] * scale for m in steps if key in m]
+    return sum(values) / len(values) if values else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{_fmt(r, 'busy_share', '.0%')} | {r.get('version_span_max', '-')} | "
               f"{_fmt(r, 'mixed_version_share', '.0%')} | {_fmt(r, 'reward', '.3f')} | {_fmt(r, 'val_acc', '.3f')} | "
               f"{_fmt(r, 'sandbox_call_s', '.2f')} / {_fmt(r, 'sandbox_run_s', '.3f')} | "
-              f"{_fmt({'ms': r.get('loop_lag_s', 0) * 1000}, 'ms', '.1f')} |")
+              f"{_fmt(r, 'loop_lag_ms', '.1f')} |")
     return 0 if all(r["rc"] == 0 for r in rows) else 1
 
 

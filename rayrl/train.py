@@ -337,7 +337,7 @@ def step_metrics(trajs: list[Trajectory], groups, dropped: int, learn: dict, t_r
     spans = [e for t in trajs for e in t.events if e.get("name", "").startswith("sandbox")]
     sandbox = [e["end"] - e["start"] for e in spans]
     runs = [e["args"]["run_s"] for e in spans if "run_s" in e.get("args", {})]
-    lags = [t.timings["loop_lag_mean"] for t in trajs if "loop_lag_mean" in t.timings]
+    lags = [t.timings for t in trajs if "loop_lag_mean" in t.timings]  # rayrl.rollout sets mean and max together
     return {"reward/mean": rmean, "reward/std": rstd, "response/length_mean": lmean,
             "rollout/tokens_per_s": gen_tokens / max(t_rollout, 1e-9), "time/rollout_s": t_rollout,
             "time/step_s": step_s, "sync/seconds": sync_s, "policy/version": version,
@@ -348,8 +348,8 @@ def step_metrics(trajs: list[Trajectory], groups, dropped: int, learn: dict, t_r
             # the run alone (latency_s also holds the wait for a pool slot and the worker's event loop)
             **({"sandbox/run_s": sum(runs) / len(runs)} if runs else {}),
             # how late the rollout workers' event loops woke up while the step's episodes ran (rayrl.rollout)
-            **({"rollout/loop_lag_mean_s": sum(lags) / len(lags),
-                "rollout/loop_lag_max_s": max(t.timings["loop_lag_max"] for t in trajs if "loop_lag_max" in t.timings)}
+            **({"rollout/loop_lag_mean_s": sum(g["loop_lag_mean"] for g in lags) / len(lags),
+                "rollout/loop_lag_max_s": max(g["loop_lag_max"] for g in lags)}
                if lags else {}),
             **version_metrics(trajs), **learn}
 
