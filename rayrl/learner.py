@@ -259,10 +259,11 @@ class Learner:
     def train_step(self, batch: TrainBatch, old_logprobs: list[list[float]] | None = None) -> StepStats:
         """One optimizer step on this rank's share of a mini-batch (all ranks call it together).
 
-        `old_logprobs=None` means on-policy (one mini-batch, one epoch, staleness 0): the behaviour policy
-        is the current one, so old = current.detach() and the ratio is exactly 1 — the recompute would be
-        a second identical forward pass; those log-probs come back in StepStats.logprobs (the driver's
-        engine-vs-learner mismatch metrics). `batch.is_weights` (algo.rollout_correction) weighs each token's loss.
+        `old_logprobs=None` means one update (one mini-batch, one epoch, no rollout correction; the episodes may be
+        stale): the proximal policy is the current one, so old = current.detach() and the ratio is exactly 1 — the
+        recompute would be a second identical forward pass; those log-probs come back in StepStats.logprobs (the
+        driver's engine-vs-learner mismatch metrics). `batch.is_weights` (algo.rollout_correction) weighs each
+        token's loss.
         The entropy is computed every step (logged); it enters the loss as verl's bonus,
         - algo.entropy_coeff x entropy aggregated by loss_agg_mode, when the coefficient is not 0.
         """

@@ -5,8 +5,8 @@ workers lease them and run the agent against the engines -> collect whole groups
 (verl) -> learner update (FSDP2) -> push the weights to the engines -> policy version + 1 -> log ->
 checkpoint. How it departs from textbook GRPO:
 - losses are token-mean over the whole mini-batch with DAPO's clip-higher (clip_ratio_low/high);
-- old log-probs are recomputed by the learner, except on-policy (one mini-batch, one epoch,
-  staleness 0, no algo.rollout_correction) where old = current.detach() exactly;
+- old log-probs are recomputed by the learner, except with one mini-batch, one epoch and no
+  algo.rollout_correction (stale episodes too) where old = current.detach() exactly;
 - `algo.rollout_correction` (verl's, off by default): truncated importance weights and rejection against the engines'
   log-probs, PPO's ratio against the recomputed ones (decoupled PPO); the rollout_corr/ mismatch metrics every step;
 - failed trajectories are never trained on and groups with < 2 successes are dropped (rayrl.batching);
@@ -212,7 +212,7 @@ def collect(cfg: Config, actors, expected: dict[str, Task], step: int, early: di
 def update(cfg: Config, learners: list, groups: list[list[Trajectory]]) -> dict[str, float]:
     """Advantages, the old (proximal) log-probs and algo.rollout_correction, then ppo_epochs x mini-batches optimizer
     steps on every learner rank. The rollout_corr/ metrics compare the learner's log-probs before the update with the
-    engines' every step (on-policy: those train_step computed)."""
+    engines' every step (with one update and no correction: those train_step computed)."""
     if not groups:
         return {}
     mini = cfg.learner.mini_batch_size or cfg.trainer.batch_size
@@ -220,15 +220,17 @@ def update(cfg: Config, learners: list, groups: list[list[Trajectory]]) -> dict[
     sp, corr = cfg.learner.sequence_parallel, cfg.algo.rollout_correction
     shards = [shard(mb, advantages(mb, cfg.algo.norm_adv_by_std_in_grpo), len(learners), sp) for mb in minibatches]
     timeout = cfg.learner.timeout
-    # the correction needs the proximal log-probs before the first update (decoupled PPO: verl recomputes them too)
-    on_policy = (len(minibatches) == 1 and cfg.learner.ppo_epochs == 1 and cfg.algo.max_staleness == 0
-                 and not corr.enabled)
+    # The proximal log-probs are the learner's before the first update. With one optimizer step and no correction
+    # they are train_step's own forward pass (old = current.detach(), ratio 1), also for stale episodes: a second
+    # forward would only repeat it (verl's recompute_old_log_prob=False). The correction's weights and masks apply
+    # to the whole batch before the update (as verl's), so they need that forward pass first.
+    one_update = len(minibatches) == 1 and cfg.learner.ppo_epochs == 1 and not corr.enabled
     t_old = time.perf_counter()
     with trace.span("learner/compute_logprobs"):
-        olds = None if on_policy else [
+        olds = None if one_update else [
             ray.get([ln.compute_logprobs.remote(s) for ln, s in zip(learners, sh, strict=True)], timeout=timeout)
             for sh in shards]
-    # verl's timing_s/old_log_prob: a forward pass over the batch that on-policy steps do not need
+    # verl's timing_s/old_log_prob: a forward pass over the batch that one-update steps do not need
     old_s = {} if olds is None else {"time/old_logprob_s": time.perf_counter() - t_old}
     mismatch = {} if olds is None else rollout_correction(shards, olds, corr, sp)  # sets is_weights / masks
     stats = []
@@ -239,7 +241,7 @@ def update(cfg: Config, learners: list, groups: list[list[Trajectory]]) -> dict[
                 stats.append(ray.get([ln.train_step.remote(s, None if olds is None else olds[j][r])
                                       for r, (ln, s) in enumerate(zip(learners, sh, strict=True))], timeout=timeout))
                 trace.learner([e for st in stats[-1] for e in st.events], t0, time.time())  # a lane per rank
-    if olds is None:  # on-policy: train_step's log-probs were the old ones
+    if olds is None:  # one update: train_step's log-probs were the old ones
         mismatch = rollout_correction(shards, [[s.logprobs for s in stats[0]]], corr, sp)
     last = stats[-1]
     learner_s = sum(max(s.seconds for s in st) for st in stats)  # the slowest rank of each optimizer step

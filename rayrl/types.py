@@ -153,8 +153,8 @@ class StepStats:
     num_tokens: int
     seconds: float
     extra: dict[str, float] = field(default_factory=dict)
-    # the policy's log-probs of each response token before the step (on-policy train_step only: old = current), for
-    # the driver's engine-vs-learner mismatch metrics; None when the driver passed the old log-probs in
+    # the policy's log-probs of each response token before the step (train_step without old log-probs: old =
+    # current), for the driver's engine-vs-learner mismatch metrics; None when the driver passed the old log-probs in
     logprobs: list[list[float]] | None = None
     # Learner-side spans for the trace (rayrl.trace): {"name": "forward" | "backward" (per micro-batch) |
     # "optimizer_step" | "train_step" (the whole call), "start", "end": time.time(), "rank", "args"}
