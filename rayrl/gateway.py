@@ -391,7 +391,10 @@ async def _post(request, chat: bool):
         return _json(e.body(), e.status)
     except Exception as e:  # an engine failure: a 500 with the reason, the server goes on
         gw.counts["errors_5xx"] += 1
-        log.exception("gateway request failed")
+        if isinstance(e, ray.exceptions.RayError):  # an engine died or is restarting: the reason is the whole story
+            log.warning("gateway request failed: %s", f"{type(e).__name__}: {e}".splitlines()[0][:300])
+        else:  # anything else is a bug here: its traceback
+            log.exception("gateway request failed")
         return _json(ApiError(500, f"{type(e).__name__}: {e}"[:1000], "engine_error").body(), 500)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from ray.exceptions import RayActorError
 
 from rayrl.chat import ApiError, normalize_messages
 from rayrl.config import load_config
@@ -129,3 +130,37 @@ def test_response_choice_parses_tool_calls_from_engine_tokens(gw, tok):
     choice, err = gw._choice(0, gen(ONE), TOOLS, "none", False)  # tool_choice none: no parsing
     assert err is None and "tool_calls" not in choice["message"]
     assert gw.counts["parse_errors"] == 1
+
+
+class _FailingEngine:
+    """An engine handle whose generate call fails with `error` (what a Ray call to a dead engine raises)."""
+
+    def __init__(self, error: Exception):
+        self.generate = type("Method", (), {"remote": lambda _self, *a: self._fail()})()
+        self.error = error
+
+    async def _fail(self):
+        raise self.error
+
+
+@pytest.mark.parametrize("error, traceback", [
+    (RayActorError(error_msg="The actor died unexpectedly.\nmore lines"), False),
+    (RuntimeError("a bug in the Gateway"), True)])
+def test_engine_failure_is_a_500_and_one_log_line(tiny_model, caplog, error, traceback):
+    """A dead engine answers the client 500 engine_error and logs one line; any other exception logs its traceback."""
+    import asyncio
+    import json
+
+    cfg = load_config(None, tiny_overrides(tiny_model, "/tmp/unused", **{"gateway.enabled": False}))
+    gw = Gateway(cfg, tiny_model, engines=[_FailingEngine(error)])
+    body = json.dumps({"model": "policy", "messages": [{"role": "user", "content": "hi"}]}).encode()
+    with caplog.at_level("WARNING", logger="rayrl.gateway"):
+        status, _, out = asyncio.run(gw.request("POST", "/v1/chat/completions",
+                                                {"content-type": "application/json"}, body))
+    assert status == 500 and json.loads(out)["error"]["code"] == "engine_error"
+    [rec] = [r for r in caplog.records if "gateway request failed" in r.getMessage()]
+    if traceback:
+        assert rec.exc_info is not None
+    else:
+        assert rec.exc_info is None and rec.getMessage().endswith("RayActorError: The actor died unexpectedly.")
+    assert gw.counts["errors_5xx"] == 1
