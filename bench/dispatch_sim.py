@@ -174,6 +174,7 @@ class Mode:
 
 def main() -> int:
     from rayrl.actors.rollout import RolloutActor
+    from rayrl.cluster import private_token
     from rayrl.config import load_config
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -193,6 +194,7 @@ def main() -> int:
         "rollout.agent_config.max_s": args.max_s, "rollout.n": args.n, "rollout.num_workers": args.workers,
         "rollout.concurrency": args.concurrency, "trainer.batch_size": args.trajectories // args.n}.items()])
     # Ray starts workers at nice 15; the driver runs at 0: the same priority for every process of the pipeline.
+    private_token()  # no ~/.ray/auth_token left behind (rayrl.cluster)
     ray.init(num_cpus=max(8, args.workers), include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": ROOT}}, _system_config={"worker_niceness": 0})
     try:

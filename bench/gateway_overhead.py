@@ -28,6 +28,7 @@ import ray
 from rayrl.actors.engine import EngineActor
 from rayrl.actors.gateway import GatewayActor
 from rayrl.agent import session_client
+from rayrl.cluster import private_token
 from rayrl.config import load_config
 from rayrl.engine import Sampling
 from rayrl.models import resolve_model
@@ -93,6 +94,7 @@ def main() -> None:
 
     model = resolve_model(a.model)
     cfg = load_config(None, [f"model.path={model}", "gateway.port=0", "engine.max_num_seqs=64"])
+    private_token()  # no ~/.ray/auth_token left behind (rayrl.cluster)
     ray.init(num_cpus=8, include_dashboard=False, log_to_driver=False)
     threads = {"runtime_env": {"env_vars": {"OMP_NUM_THREADS": str(os.cpu_count() or 1)}}}
     engine = EngineActor.options(num_cpus=1, max_concurrency=1000, **threads).remote(model, cfg.engine,

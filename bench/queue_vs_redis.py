@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import ray
 
 from rayrl.actors.queue import TaskQueueActor
+from rayrl.cluster import private_token
 from rayrl.queue import pack
 from rayrl.types import Task, Trajectory
 
@@ -235,6 +236,7 @@ def main() -> None:
     try:
         # Ray starts its workers at nice 15; redis-server and the Redis consumer run at 0. Same priority
         # for both sides, or on a busy machine the TaskQueue side loses the CPU for a reason unrelated to it.
+        private_token()  # no ~/.ray/auth_token left behind (rayrl.cluster)
         ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False, _system_config={"worker_niceness": 0})
         q = TaskQueueActor.remote()
         consumer = Consumer.remote(q, "consumer-0")

@@ -45,12 +45,8 @@ def connect(cfg: Config) -> None:
                               "start one with `ray start --head`, or unset it to run on a local Ray")
     # Actors mostly wait on each other: a local cluster gets more CPU slots than cores.
     num_cpus = None if address else (cfg.trainer.ray_num_cpus or max(8, 4 * (os.cpu_count() or 2)))
-    if not address and not any(k in os.environ for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")):
-        # Ray turns token auth on for a local cluster and writes ~/.ray/auth_token, which then switches auth on for a
-        # later `ray start --head` and breaks a `ray job submit` from a shell without RAY_AUTH_MODE=token. This
-        # private cluster keeps auth on with a token of its own, in its processes' environment only.
-        os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
-        ray._raylet.Config.initialize("")  # re-read by this process (Ray caches its config at import)
+    if not address:
+        private_token()
     if not cfg.trainer.verbose:
         logs.divert_raylet_errors(logs.log_dir(cfg.trainer.output_dir, False))
     namespace = f"rayrl-{cfg.trainer.experiment_name}-{uuid.uuid4().hex[:6]}"
@@ -58,6 +54,16 @@ def connect(cfg: Config) -> None:
              include_dashboard=None if address else False, log_to_driver=cfg.trainer.verbose,
              runtime_env=logs.runtime_env(cfg.trainer.output_dir, cfg.trainer.verbose, local=not address))
     stop.install()  # after ray.init, which replaces SIGTERM's handler: a stop now unwinds the driver (rayrl.stop)
+
+
+def private_token() -> None:
+    """Before `ray.init` starts a local cluster. Ray turns token auth on for one and writes ~/.ray/auth_token, which
+    then switches auth on for a later `ray start --head` and breaks a `ray job submit` from a shell without
+    RAY_AUTH_MODE=token. This keeps auth on with a token of the cluster's own, in its processes' environment only
+    (nothing is changed where the environment already chose)."""
+    if not any(k in os.environ for k in ("RAY_AUTH_MODE", "RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")):
+        os.environ.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
+        ray._raylet.Config.initialize("")  # re-read by this process (Ray caches its config at import)
 
 
 def _reachable(address: str) -> bool:
