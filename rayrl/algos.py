@@ -99,6 +99,22 @@ def policy_loss(old_logprobs: torch.Tensor, logprobs: torch.Tensor, advantages: 
     return loss, metrics
 
 
+def rollout_is_weights(proximal: torch.Tensor, rollout_logprobs: torch.Tensor, response_mask: torch.Tensor,
+                       cfg: RolloutCorrectionConfig) -> torch.Tensor:
+    """The truncated IS weights of `rollout_correction` alone ([B, T]; verl's compute_rollout_correction_weights,
+    cfg.rollout_is level), for a train_step whose proximal log-probs are its own forward pass (one update, no
+    rejection): the same weights the driver would have set from a separate forward, computed in the loss."""
+    from verl.trainer.ppo import rollout_corr_helper as rc
+
+    mask = response_mask.to(torch.float32)
+    if not mask.any():
+        return torch.zeros_like(mask)
+    weights, _ = rc.compute_rollout_correction_weights(log_ratio=proximal - rollout_logprobs, response_mask=mask,
+                                                       rollout_is=cfg.rollout_is,
+                                                       rollout_is_threshold=cfg.rollout_is_threshold)
+    return weights
+
+
 def rollout_correction(old_logprobs: torch.Tensor, rollout_logprobs: torch.Tensor, response_mask: torch.Tensor,
                        cfg: RolloutCorrectionConfig) -> tuple[torch.Tensor | None, torch.Tensor, dict[str, float]]:
     """The learner's (proximal) against the engines' (behaviour) log-probs of the sampled tokens ([B, T] tensors):

@@ -259,11 +259,11 @@ class Learner:
     def train_step(self, batch: TrainBatch, old_logprobs: list[list[float]] | None = None) -> StepStats:
         """One optimizer step on this rank's share of a mini-batch (all ranks call it together).
 
-        `old_logprobs=None` means one update (one mini-batch, one epoch, no rollout correction; the episodes may be
+        `old_logprobs=None` means one update (one mini-batch, one epoch, no rollout rejection; the episodes may be
         stale): the proximal policy is the current one, so old = current.detach() and the ratio is exactly 1 — the
         recompute would be a second identical forward pass; those log-probs come back in StepStats.logprobs (the
-        driver's engine-vs-learner mismatch metrics). `batch.is_weights` (algo.rollout_correction) weighs each
-        token's loss.
+        driver's engine-vs-learner mismatch metrics), and algo.rollout_correction.rollout_is's weights are computed
+        here from them. Otherwise `batch.is_weights` (set by the driver) weighs each token's loss.
         The entropy is computed every step (logged); it enters the loss as verl's bonus,
         - algo.entropy_coeff x entropy aggregated by loss_agg_mode, when the coefficient is not 0.
         """
@@ -279,6 +279,7 @@ class Learner:
             events.append({"name": name, "start": s, "end": e, "rank": self.rank, "args": args})
 
         micro_batches = self._micro_batches(batch)
+        corr = self.cfg.algo.rollout_correction
         current: list[tuple[list[int], torch.Tensor]] = []  # on-policy: (rows, their log-probs) for StepStats.logprobs
         for k, idx in enumerate(micro_batches):
             self._accumulate_locally(k < len(micro_batches) - 1)
@@ -289,6 +290,9 @@ class Learner:
                 current.append((idx, old))
             is_weights = None if batch.is_weights is None else self._padded([batch.is_weights[i] for i in idx],
                                                                             lp.shape[1])
+            if old_logprobs is None and corr.rollout_is is not None:  # one update: proximal = current, so in the loss
+                is_weights = algos.rollout_is_weights(
+                    old, self._padded([batch.rollout_logprobs[i] for i in idx], lp.shape[1]), mask, corr)
             # Normalised by mini-batch-wide counts, so summing micro-batches and averaging ranks (FSDP) gives
             # exactly the mini-batch loss (see rayrl.algos).
             ref = None

@@ -5,8 +5,8 @@ workers lease them and run the agent against the engines -> collect whole groups
 (verl) -> learner update (FSDP2) -> push the weights to the engines -> policy version + 1 -> log ->
 checkpoint. How it departs from textbook GRPO:
 - losses are token-mean over the whole mini-batch with DAPO's clip-higher (clip_ratio_low/high);
-- old log-probs are recomputed by the learner, except with one mini-batch, one epoch and no
-  algo.rollout_correction (stale episodes too) where old = current.detach() exactly;
+- old log-probs are recomputed by the learner, except with one mini-batch, one epoch and no rollout
+  rejection (stale episodes too) where old = current.detach() exactly;
 - `algo.rollout_correction` (verl's, off by default): truncated importance weights and rejection against the engines'
   log-probs, PPO's ratio against the recomputed ones (decoupled PPO); the rollout_corr/ mismatch metrics every step;
 - failed trajectories are never trained on and groups with < 2 successes are dropped (rayrl.batching);
@@ -212,7 +212,7 @@ def collect(cfg: Config, actors, expected: dict[str, Task], step: int, early: di
 def update(cfg: Config, learners: list, groups: list[list[Trajectory]]) -> dict[str, float]:
     """Advantages, the old (proximal) log-probs and algo.rollout_correction, then ppo_epochs x mini-batches optimizer
     steps on every learner rank. The rollout_corr/ metrics compare the learner's log-probs before the update with the
-    engines' every step (with one update and no correction: those train_step computed)."""
+    engines' every step (with one update: those train_step computed)."""
     if not groups:
         return {}
     mini = cfg.learner.mini_batch_size or cfg.trainer.batch_size
@@ -220,11 +220,11 @@ def update(cfg: Config, learners: list, groups: list[list[Trajectory]]) -> dict[
     sp, corr = cfg.learner.sequence_parallel, cfg.algo.rollout_correction
     shards = [shard(mb, advantages(mb, cfg.algo.norm_adv_by_std_in_grpo), len(learners), sp) for mb in minibatches]
     timeout = cfg.learner.timeout
-    # The proximal log-probs are the learner's before the first update. With one optimizer step and no correction
-    # they are train_step's own forward pass (old = current.detach(), ratio 1), also for stale episodes: a second
-    # forward would only repeat it (verl's recompute_old_log_prob=False). The correction's weights and masks apply
-    # to the whole batch before the update (as verl's), so they need that forward pass first.
-    one_update = len(minibatches) == 1 and cfg.learner.ppo_epochs == 1 and not corr.enabled
+    # The proximal log-probs are the learner's before the first update. With one optimizer step they are
+    # train_step's own forward pass (old = current.detach(), ratio 1), also for stale episodes: a second forward
+    # would only repeat it (verl's recompute_old_log_prob=False), and rollout_is's weights come from it in the loss.
+    # Rejection (rollout_rs) changes the mini-batch's token counts before the loss, so it needs that forward first.
+    one_update = len(minibatches) == 1 and cfg.learner.ppo_epochs == 1 and corr.rollout_rs is None
     t_old = time.perf_counter()
     with trace.span("learner/compute_logprobs"):
         olds = None if one_update else [

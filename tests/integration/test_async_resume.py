@@ -46,14 +46,18 @@ def test_resume_in_the_middle_of_an_async_run(tiny_model, ray_cluster, tmp_path)
               "algo.max_staleness": K, "trainer.save_freq": 2, "trainer.trace": True, "trainer.export_hf": False}
     full = str(tmp_path / "full")
     train(load_config(None, tiny_overrides(tiny_model, full, **common,
-                                           **{"algo.rollout_correction.rollout_is": "token"})))
+                                           **{"algo.rollout_correction.rollout_is": "token",
+                                              # rejection (nothing is out of these bounds): a proximal forward pass
+                                              "algo.rollout_correction.rollout_rs": "token_k1",
+                                              "algo.rollout_correction.rollout_rs_threshold": 1e6})))
     mid = os.path.join(full, "checkpoints", "step_2")
     state = checkpoint.load_state(mid)
     assert state["step"] == 2 and state["policy_version"] == 2
     # when step 2 was saved, the tasks of steps 3 and 4 were already queued (dispatched at versions 0 and 1): the
     # resumed run regenerates them from the checkpoint's data position, at its own policy version
     resumed = str(tmp_path / "resumed")
-    train(load_config(None, tiny_overrides(tiny_model, resumed, **common, **{"trainer.resume": mid})))
+    train(load_config(None, tiny_overrides(tiny_model, resumed, **common, **{  # TIS computed in the loss
+        "trainer.resume": mid, "algo.rollout_correction.rollout_is": "token"})))
 
     before, after = _trained(full), _trained(resumed)
     assert sorted(before) == [1, 2, 3, 4] and sorted(after) == [3, 4]
@@ -78,13 +82,14 @@ def test_resume_in_the_middle_of_an_async_run(tiny_model, ray_cluster, tmp_path)
             assert 0 <= min(ages) and max(ages) <= K and m[step]["policy/staleness_max"] == max(ages)
             assert m[step]["groups/trained"] == BATCH  # every collected group was trained
             assert "rollout_corr/k3_kl" in m[step] and "rollout_corr/log_ratio_max" in m[step]
-            if out == full:  # rollout_is needs the proximal log-probs first: a forward pass, counted as learner time
+            if out == full:  # rollout_rs needs the proximal log-probs first: a forward pass, counted as learner time
                 assert m[step]["time/old_logprob_s"] > 0
                 assert m[step]["time/share_learner"] * m[step]["time/step_s"] >= \
                     0.999 * (m[step]["time/learner_s"] + m[step]["time/old_logprob_s"])
-            else:  # one update, no correction: stale episodes too take train_step's own log-probs as the proximal
+            else:  # one update, no rejection: stale episodes too take train_step's own log-probs as the proximal
                 assert "time/old_logprob_s" not in m[step]
     assert max(s - 1 - t["policy_version"] for s, ts in before.items() for t in ts) >= 1  # it did run ahead
     # after the resume nothing older than the checkpoint's version 2 was trained: the queued tasks were regenerated
     assert all(t["policy_version"] >= 2 for ts in after.values() for t in ts)
     assert all(_metrics(full)[s]["rollout_corr/rollout_is_mean"] > 0 for s in range(1, STEPS + 1))
+    assert all(_metrics(resumed)[s]["rollout_corr/rollout_is_mean"] > 0 for s in (3, 4))

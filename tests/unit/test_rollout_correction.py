@@ -171,3 +171,29 @@ def test_learner_applies_the_is_weights(learner):
     # on-policy ratio 1: token-mean of -A x w over the 4 trained tokens = -(0.5 + 0.5 + 0.5 - 0.5) / 4 = -0.25
     stats = learner.train_step(_batch(is_weights=[[0.5] * 3, [0.5, 0.0]]))
     assert stats.loss == pytest.approx(-0.25, abs=1e-6)
+
+
+def test_one_update_computes_the_is_weights_in_the_loss(tiny_model):
+    """One update with rollout_is (no proximal forward: the driver passes no old log-probs): train_step weighs each
+    token by min(current / engine, threshold) of its own forward pass, the weights the driver's path would set."""
+    from rayrl.learner import Learner
+
+    ln = Learner(tiny_model, load_config(None, ["learner.lr=1e-2", "algo.rollout_correction.rollout_is=token"],
+                                         check_files=False))
+    ln.setup()
+    try:
+        batch = _batch()
+        want = ln.compute_logprobs(batch)
+        # engine / learner ratios 1/3, 1, 2 on the first row (weights min(3, 2), 1, 0.5), 1 on the second's token
+        shift = [[math.log(3), 0.0, -math.log(2)], [0.0, 0.0]]
+        batch.rollout_logprobs = [[lp - d for lp, d in zip(row, ds, strict=True)] for row, ds in zip(want, shift,
+                                                                                                     strict=True)]
+        expected = _batch(rollout_logprobs=batch.rollout_logprobs)
+        correct_shards([[expected]], [[want]], RolloutCorrectionConfig(rollout_is="token"))
+        assert [w for row in expected.is_weights for w in row] == pytest.approx([2.0, 1.0, 0.5, 1.0, 0.0], abs=1e-5)
+        stats = ln.train_step(batch)
+        assert batch.is_weights is None  # nothing set by a driver
+        # token-mean of -A x w over the 4 trained tokens: -(2 + 1 + 0.5 - 1) / 4
+        assert stats.loss == pytest.approx(-0.625, abs=1e-5)
+    finally:
+        ln.shutdown()
