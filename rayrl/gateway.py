@@ -157,8 +157,21 @@ class Gateway:
         for name, v in (("temperature", t), ("top_p", p)):
             if v is not None and (not isinstance(v, (int, float)) or v < 0):
                 raise ApiError(400, f"{name} must be a number >= 0, got {v!r}", "invalid_value", name)
+        if s is not None and any(v is not None and float(v) != d[k] for k, v in (("temperature", t), ("top_p", p))):
+            self._warn_override(d, t, p)
         return Sampling(max_tokens=max_tokens, temperature=d["temperature"] if t is None else float(t),
                         top_p=d["top_p"] if p is None else float(p), ignore_eos=bool(body.get("ignore_eos", False)))
+
+    def _warn_override(self, d: dict, t, p) -> None:
+        """A recorded turn sampled at another temperature / top_p than its session's: the engine's log-probs of it
+        are of that distribution, the learner's of rollout.temperature / top_p, so the step trains off-distribution
+        (the rollout_corr/ metrics show it as mismatch). Counted; one warning per Gateway."""
+        self.counts["sampling_overrides"] = self.counts.get("sampling_overrides", 0) + 1
+        if self.counts["sampling_overrides"] == 1:
+            log.warning("gateway: a request set temperature=%s top_p=%s, not its session's %s / %s (rollout.temperature"
+                        " / rollout.top_p): its tokens are trained with log-probs of another distribution; leave them "
+                        "unset in the agent, or set them in rollout. Counted in /health sampling_overrides",
+                        t, p, d["temperature"], d["top_p"])
 
     # OpenAI requests --------------------------------------------------------------------------
     def check_model(self, body: dict) -> None:

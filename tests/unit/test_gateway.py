@@ -164,3 +164,19 @@ def test_engine_failure_is_a_500_and_one_log_line(tiny_model, caplog, error, tra
     else:
         assert rec.exc_info is None and rec.getMessage().endswith("RayActorError: The actor died unexpectedly.")
     assert gw.counts["errors_5xx"] == 1
+
+
+def test_a_turn_sampled_off_the_sessions_temperature_is_counted_and_warned_once(gw, caplog):
+    """An agent that sets its own temperature / top_p samples a distribution the learner does not score: counted
+    (/health sampling_overrides), one warning per Gateway; the session's own values and unbound requests are quiet."""
+    sid, _, _ = gw.open_session("t", temperature=1.0, top_p=1.0)
+    s = gw.sessions.by_id[sid]
+    with caplog.at_level("WARNING", logger="rayrl.gateway"):
+        assert gw._sampling(s, {"temperature": 1.0, "top_p": 1}, 8).temperature == 1.0  # the session's own: quiet
+        gw._sampling(None, {"temperature": 0.2}, 8)  # unbound (not trained): quiet
+        assert "sampling_overrides" not in gw.counts
+        assert gw._sampling(s, {"temperature": 0.7}, 8).temperature == 0.7  # served as asked, but counted
+        gw._sampling(s, {"top_p": 0.9}, 8)
+    assert gw.stats()["sampling_overrides"] == 2
+    [warning] = [r for r in caplog.records if "sampling_overrides" in r.getMessage()]
+    assert "temperature=0.7" in warning.getMessage()
