@@ -280,7 +280,7 @@ class Learner:
 
         micro_batches = self._micro_batches(batch)
         corr = self.cfg.algo.rollout_correction
-        current: list[tuple[list[int], torch.Tensor]] = []  # on-policy: (rows, their log-probs) for StepStats.logprobs
+        current: list[tuple[list[int], torch.Tensor]] = []  # one update: (rows, their log-probs) for StepStats.logprobs
         for k, idx in enumerate(micro_batches):
             self._accumulate_locally(k < len(micro_batches) - 1)
             f0 = self._mark()
