@@ -16,7 +16,8 @@ mkdir -p "$out"
 python bench/async_speedup.py --runs "${RUNS:-s0,s1p}" --steps "${STEPS:-10}" --out "$out" \
   --val-size "${VAL_SIZE:-128}" --timeout "${RUN_TIMEOUT:-400}" -- \
   model.path=/tmp/rayrl-sft/hf model.dtype=bfloat16 \
-  engine.gpus_per_engine=0.4 engine.gpu_memory_utilization=0.3 engine.enforce_eager=false engine.max_num_seqs="${INFLIGHT:-512}" \
+  engine.gpus_per_engine=0.4 engine.gpu_memory_utilization=0.3 engine.enforce_eager=false \
+  engine.max_num_seqs="${INFLIGHT:-512}" \
   learner.gpus_per_worker=0.5 learner.lr=2.0e-5 learner.micro_batch_size=32 \
   rollout.n=8 rollout.max_response_length=384 rollout.num_workers="${WORKERS:-1}" \
   rollout.concurrency=$((${INFLIGHT:-512} / ${WORKERS:-1})) reward.num_procs=8 sandbox.max_concurrency="${SLOTS:-8}" \
