@@ -10,6 +10,7 @@ How failures are treated (documented in the README):
 
 from __future__ import annotations
 
+import contextlib
 from collections import defaultdict
 
 from rayrl.config import RolloutCorrectionConfig
@@ -27,15 +28,38 @@ def trainable_groups(trajs: list[Trajectory]) -> tuple[list[list[Trajectory]], i
     return keep, len(groups) - len(keep)
 
 
+@contextlib.contextmanager
+def _one_thread():
+    """torch on one thread for the driver's tensor math ([rows x response tokens]; most of its time is building the
+    tensors from lists). The driver shares its node with the rollout workers and engines, which are busy during an
+    async step's update: on one H200 host (16 cores) the driver's time between that update and the weight sync,
+    rollout_correction's metrics mostly, was 0.3-0.76 s in async steps against 0.02 s in synchronous ones
+    (bench/gpu/results/2026-12-05), the pattern of intra-op threads spinning against busy cores. On 2 cores beside
+    2 busy processes, a step's rollout_correction took 24-111 ms on 2 threads and 26-32 ms on one."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def advantages(groups: list[list[Trajectory]], norm_by_std: bool) -> list[list[float]]:
     """Per-token GRPO advantages (verl's estimator), in the order of the flattened groups."""
+    flat = [t for g in groups for t in g]
+    if not flat:
+        return []
+    with _one_thread():
+        return _advantages(flat, norm_by_std)
+
+
+def _advantages(flat: list[Trajectory], norm_by_std: bool) -> list[list[float]]:
     import torch
 
     from rayrl.algos import grpo_advantages  # imports verl (~7 s): only where it is used
 
-    flat = [t for g in groups for t in g]
-    if not flat:
-        return []
     width = max(len(t.response_ids) for t in flat)
     mask = torch.zeros(len(flat), width)
     for i, t in enumerate(flat):
@@ -90,6 +114,12 @@ def rollout_correction(minibatches: list[list[TrainBatch]], olds: list[list[list
     (rayrl.algos.rollout_correction, over every trained token of the step). With `cfg.enabled`, the shards are
     changed in place: `is_weights` set (rollout_is), rejected tokens out of `loss_mask` and the mini-batch's global
     counts recounted (rollout_rs), as verl applies them to the whole batch before the update."""
+    with _one_thread():
+        return _rollout_correction(minibatches, olds, cfg, sequence_parallel)
+
+
+def _rollout_correction(minibatches: list[list[TrainBatch]], olds: list[list[list[list[float]]]],
+                        cfg: RolloutCorrectionConfig, sequence_parallel: int) -> dict[str, float]:
     import torch
 
     from rayrl.algos import rollout_correction as correct  # imports verl: only where it is used

@@ -336,12 +336,15 @@ def step_metrics(trajs: list[Trajectory], groups, dropped: int, learn: dict, t_r
     rmean, rstd = summarize([t.reward for t in ok])
     lmean, _ = summarize([sum(t.loss_mask) for t in ok])
     gen_tokens = sum(sum(t.loss_mask) for t in trajs)
+    # over the batch's own generation span: an async step's batch may have been generated during earlier steps
+    llm = [e for t in trajs for e in t.events if e.get("name") == "llm" and "start" in e and "end" in e]
+    gen_s = max(t_rollout, max(e["end"] for e in llm) - min(e["start"] for e in llm) if llm else 0.0)
     spans = [e for t in trajs for e in t.events if e.get("name", "").startswith("sandbox")]
     sandbox = [e["end"] - e["start"] for e in spans]
     runs = [e["args"]["run_s"] for e in spans if "run_s" in e.get("args", {})]
     lags = [t.timings for t in trajs if "loop_lag_mean" in t.timings]  # rayrl.rollout sets mean and max together
     return {"reward/mean": rmean, "reward/std": rstd, "response/length_mean": lmean,
-            "rollout/tokens_per_s": gen_tokens / max(t_rollout, 1e-9), "time/rollout_s": t_rollout,
+            "rollout/tokens_per_s": gen_tokens / max(gen_s, 1e-9), "time/rollout_s": t_rollout,
             "time/step_s": step_s, "sync/seconds": sync_s, "policy/version": version,
             "trajectories/total": len(trajs), "trajectories/failed": len(trajs) - len(ok),
             "groups/trained": len(groups), "groups/dropped": dropped,

@@ -29,6 +29,24 @@ def test_advantages_use_successful_members_only():
     assert adv[0] == pytest.approx([0.70710] * 3, abs=1e-4) and adv[1] == pytest.approx([-0.70710] * 3, abs=1e-4)
 
 
+def test_driver_math_runs_on_one_thread_and_gives_the_threads_back(monkeypatch):
+    import torch
+
+    import rayrl.algos
+
+    seen = []
+    real = rayrl.algos.grpo_advantages
+    monkeypatch.setattr(rayrl.algos, "grpo_advantages", lambda *a, **k: seen.append(torch.get_num_threads())
+                        or real(*a, **k))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        advantages(trainable_groups([traj("a", 0, 1.0), traj("a", 1, 0.0)])[0], norm_by_std=True)
+        assert seen == [1] and torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_shard_equal_counts_and_global_totals():
     groups = [[traj("a", 0, 1.0, n=5), traj("a", 1, 0.0, n=2), traj("a", 2, 1.0, n=4)]]
     advs = [[1.0] * 5, [-1.0] * 2, [1.0] * 4]

@@ -119,3 +119,20 @@ def test_step_metrics_split_the_sandbox_run_from_the_wait_and_report_the_loop_la
                      learn={}, t_rollout=10.0, sync_s=0.0, version=1, step_s=12.0)
     assert m["sandbox/latency_s"] == pytest.approx(3.0) and m["sandbox/run_s"] == pytest.approx(0.2)
     assert m["rollout/loop_lag_mean_s"] == pytest.approx(0.02) and m["rollout/loop_lag_max_s"] == pytest.approx(0.06)
+
+
+def test_rollout_tokens_per_s_of_a_batch_generated_during_earlier_steps():
+    """An async step can find its batch already done (collected in 0.01 s): its rate is over the batch's own LLM
+    span, not over that collect window (which printed 1.7M tok/s on the H200)."""
+    from rayrl.train import step_metrics
+    from rayrl.types import Trajectory
+
+    def traj(start, end, n):
+        return Trajectory(task_id="t", group_id="g", step=1, data_source="d", reward=1.0, response_ids=[5] * n,
+                          loss_mask=[1] * n, events=[{"name": "llm", "start": start, "end": end}])
+
+    trajs = [traj(100.0, 101.0, 300), traj(100.5, 102.0, 300)]
+    early = step_metrics(trajs, groups=[], dropped=0, learn={}, t_rollout=0.01, sync_s=0.0, version=2, step_s=1.0)
+    assert early["rollout/tokens_per_s"] == pytest.approx(600 / 2.0)  # 100.0 -> 102.0
+    waited = step_metrics(trajs, groups=[], dropped=0, learn={}, t_rollout=3.0, sync_s=0.0, version=2, step_s=4.0)
+    assert waited["rollout/tokens_per_s"] == pytest.approx(600 / 3.0)  # a synchronous step: its rollout window
