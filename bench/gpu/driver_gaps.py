@@ -1,0 +1,42 @@
+"""The driver's own time around each step's update, from a run's trace.json (trainer.trace): seconds from the end
+of the rollout to the first train_step (advantages, shards) and from the last train_step to the weight sync
+(rollout_correction's metrics, the step's bookkeeping). Work the driver does while the engines wait.
+
+    python bench/gpu/driver_gaps.py RUN_DIR/trace.json [...]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def gaps(path: str) -> list[tuple[int, float, float]]:
+    data = json.load(open(path))
+    events = data["traceEvents"] if isinstance(data, dict) else data
+    steps: dict[int, dict[str, list[dict]]] = {}
+    for e in events:  # the driver's lane of each step (pid = step, tid 0)
+        if e.get("ph") == "X" and e.get("tid") == 0:
+            steps.setdefault(e["pid"], {}).setdefault(e["name"], []).append(e)
+    out = []
+    for step, spans in sorted(steps.items()):
+        if not all(k in spans for k in ("rollout", "learner/train_step", "weight_sync")):
+            continue
+        roll, sync = spans["rollout"][0], spans["weight_sync"][0]
+        train = sorted(spans["learner/train_step"], key=lambda e: e["ts"])
+        before = (train[0]["ts"] - roll["ts"] - roll["dur"]) / 1e6
+        after = (sync["ts"] - train[-1]["ts"] - train[-1]["dur"]) / 1e6
+        out.append((step, before, after))
+    return out
+
+
+if __name__ == "__main__":
+    for path in sys.argv[1:]:
+        rows = gaps(path)
+        mid = rows[1:-1]  # the first (warm-up) and last (checkpoint, validation) steps apart
+        print(f"{path}: rollout->update / update->sync s per step: "
+              + " ".join(f"{s}:{b:.2f}/{a:.2f}" for s, b, a in rows))
+        if mid:
+            print(f"  steps 2..{rows[-2][0]}: mean {sum(r[1] for r in mid) / len(mid):.3f} / "
+                  f"{sum(r[2] for r in mid) / len(mid):.3f} s, max {max(r[1] for r in mid):.2f} / "
+                  f"{max(r[2] for r in mid):.2f} s")
