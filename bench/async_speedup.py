@@ -1,9 +1,9 @@
 """Async RL's speed-up on a multi-turn tool job: the same job for the same number of trained samples at
 `algo.max_staleness` 0, 1 and 2, with and without partial rollouts (`engine.partial_rollout`), one `rayrl train`
 process each, in the same call. Per run: training wall time (the steps' `time/step_s`, validation excluded),
-its ratio to the synchronous run of this call, the accelerator-busy share (generate + learner + weight sync of the
-step's wall time, from the step lines' phase shares), the policy-version span within trajectories, and the final
-validation accuracy (one validation after the last step).
+its ratio to the synchronous run of this call, the accelerator-busy share (`busy_share_from_trace`; without a
+trace, generate + learner + weight sync from the step lines' phase shares), the policy-version span within
+trajectories, and the final validation accuracy (one validation after the last step).
 
     python bench/async_speedup.py                                  # jobs/retool_tiny.yaml (the SFT'd tiny model)
     python bench/async_speedup.py --runs s0,s1p --steps 3 -- rollout.n=2
@@ -16,6 +16,7 @@ Run names: s<staleness> (partial rollouts off), s<staleness>p (on). The first ru
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import signal
@@ -52,6 +53,37 @@ def summarize(metrics_path: str) -> dict:
             # where a tool job's rollout waits: a sandbox call (slot wait included), the run alone, the worker's loop
             "sandbox_call_s": _mean(steps, "sandbox/latency_s"), "sandbox_run_s": _mean(steps, "sandbox/run_s"),
             "loop_lag_ms": _mean(steps, "rollout/loop_lag_mean_s", scale=1000)}
+
+
+def busy_share_from_trace(path: str) -> float | None:
+    """The share of the training wall during which the accelerator had work, from the run's trace.json: the union of
+    the engines' LLM calls (every trajectory's), the learner's passes and the weight syncs, within the driver's
+    steps (each step's rollout start to its end) less validation. The step lines' phase shares give each instant
+    to one phase of the step's own rollout window, so they miss the generation an async run overlaps with the
+    update (the next batch's trajectories belong to the next step)."""
+    from rayrl.metrics import _intersect, _length, _union
+
+    with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
+        data = json.load(f)
+    spans: dict[str, list[tuple[float, float]]] = {}
+    step_end: dict[int, float] = {}
+    for e in data["traceEvents"] if isinstance(data, dict) else data:
+        if e.get("ph") != "X":
+            continue
+        a, b = e["ts"] / 1e6, (e["ts"] + e.get("dur", 0)) / 1e6
+        spans.setdefault(e["name"], []).append((a, b))
+        if e["name"].startswith("step ") and e.get("tid") == 0:
+            step_end[e["pid"]] = b
+    rollouts = sorted(spans.get("rollout", []))
+    if not rollouts or len(rollouts) != len(step_end):
+        return None
+    window = _union([(r[0], end) for r, (_, end) in zip(rollouts, sorted(step_end.items()), strict=True)])
+    val = _union(spans.get("validate", []))
+    busy = _union(spans.get("llm", []) + spans.get("learner/train_step", []) + spans.get("learner/compute_logprobs", [])
+                  + spans.get("weight_sync", []))
+    wall = _length(window) - _length(_intersect(window, val))
+    inside = _intersect(busy, window)
+    return (_length(inside) - _length(_intersect(inside, val))) / wall if wall > 0 else None
 
 
 def _mean(steps: list[dict], key: str, scale: float = 1.0) -> float | None:
@@ -100,6 +132,10 @@ def main(argv: list[str] | None = None) -> int:
         row = {"run": name, "rc": rc, "process_s": time.perf_counter() - t0}
         metrics = os.path.join(out, "metrics.jsonl")
         row.update(summarize(metrics) if os.path.exists(metrics) else {})
+        trace_path = os.path.join(out, "trace.json")
+        if row.get("steps") and os.path.exists(trace_path):
+            row["busy_share_phases"] = row["busy_share"]
+            row["busy_share"] = busy_share_from_trace(trace_path)
         rows.append(row)
         print(f"async_speedup: {json.dumps(row)}", flush=True)
     with open(os.path.join(a.out, "results.jsonl"), "w") as f:

@@ -2,17 +2,19 @@
 of the rollout to the first train_step (advantages, shards) and from the last train_step to the weight sync
 (rollout_correction's metrics, the step's bookkeeping). Work the driver does while the engines wait.
 
-    python bench/gpu/driver_gaps.py RUN_DIR/trace.json [...]
+    python bench/gpu/driver_gaps.py RUN_DIR/trace.json[.gz] [...]
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 import sys
 
 
 def gaps(path: str) -> list[tuple[int, float, float]]:
-    data = json.load(open(path))
+    with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
+        data = json.load(f)
     events = data["traceEvents"] if isinstance(data, dict) else data
     steps: dict[int, dict[str, list[dict]]] = {}
     for e in events:  # the driver's lane of each step (pid = step, tid 0)

@@ -1,0 +1,37 @@
+"""bench/async_speedup.py's accelerator-busy share, from a run's trace (no run needed)."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
+from async_speedup import busy_share_from_trace
+
+
+def span(name: str, pid: int, start: float, end: float, tid: int = 0) -> dict:
+    return {"name": name, "ph": "X", "pid": pid, "tid": tid, "ts": start * 1e6, "dur": (end - start) * 1e6}
+
+
+def test_busy_share_counts_generation_overlapping_the_update_and_leaves_validation_out(tmp_path):
+    events = [
+        # step 1, driver 0-10 s: rollout 0-6, update 6-8, sync 8-8.5, validation 8.5-10
+        span("step 1", 1, 0, 10), span("rollout", 1, 0, 6), span("learner/train_step", 1, 6, 8),
+        span("weight_sync", 1, 8, 8.5), span("validate", 1, 8.5, 10),
+        span("llm", 1, 0, 2, tid=1), span("llm", 1, 3, 5, tid=1),  # a turn, a tool call (2-3 s), a turn
+        span("llm", 1, 9, 10, tid=2),  # a validation episode: not training time
+        # step 2, driver 10-14 s, its batch generated during step 1's update (6-8 s, another step's lane)
+        span("step 2", 2, 6, 14), span("rollout", 2, 10, 10.1), span("learner/train_step", 2, 10.1, 13),
+        span("weight_sync", 2, 13, 13.5), span("llm", 2, 6, 8, tid=1),
+        {"name": "process_name", "ph": "M", "pid": 2, "tid": 0, "args": {"name": "step 2"}},
+    ]
+    path = tmp_path / "trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    # wall: 0-8.5 and 10-14 (validation out) = 12.5 s; busy: 0-2, 3-5, 6-8.5 (step 2's generation beside step 1's
+    # update, then the sync), 10.1-13.5 = 2 + 2 + 2.5 + 3.4 = 9.9 s; idle: the tool call, 5-6, 8.5-10 is validation
+    assert busy_share_from_trace(str(path)) == pytest.approx(9.9 / 12.5)
