@@ -115,6 +115,7 @@ class Learner:
         lc = self.cfg.learner
         self.optim = torch.optim.AdamW(model.parameters(), lr=lc.lr, betas=tuple(lc.betas),
                                        weight_decay=lc.weight_decay, fused=self.use_cuda)
+        self._optim_cpu = offload.PinnedCopies(pin=self.use_cuda)  # learner.optimizer_offload's CPU side
         return sum(p.numel() for p in model.parameters()) * (self.world_size if self.world_size > 1 else 1)
 
     # --- training --------------------------------------------------------------------------------
@@ -355,10 +356,12 @@ class Learner:
         grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
         if np.isfinite(grad_norm):
             if self.cfg.learner.optimizer_offload:  # the AdamW state is on the GPU for the step only
-                moves.append(offload.timed("optimizer", self.device, offload.move_optimizer, self.optim))
+                moves.append(offload.timed("optimizer", self.device, offload.move_optimizer, self.optim,
+                                           self._optim_cpu))
             self.optim.step()
             if self.cfg.learner.optimizer_offload:
-                moves.append(offload.timed("optimizer", torch.device("cpu"), offload.move_optimizer, self.optim))
+                moves.append(offload.timed("optimizer", torch.device("cpu"), offload.move_optimizer, self.optim,
+                                           self._optim_cpu))
         self.optim.zero_grad(set_to_none=True)  # the gradients' memory is free until the next backward
         return grad_norm
 

@@ -41,12 +41,19 @@ def test_learner_offload_moves_state_and_trains_the_same(tiny_model):
     plain.shutdown()
     ln = _learner(tiny_model, "learner.param_offload=true", "learner.optimizer_offload=true",
                   "engine.gpus_per_engine=0.5", "learner.gpus_per_worker=0.5", "engine.sleep_level=1")
-    losses = []
+    losses, copies = [], []
     for _ in range(3):
         stats = ln.train_step(_batch())
         losses.append(stats.loss)
         states = [t for s in ln.optim.state.values() for t in s.values() if torch.is_tensor(t) and t.numel() > 1]
         assert states and all(t.device.type == "cpu" for t in states)  # AdamW state back in CPU memory
+        # in the same page-locked copies every step (rayrl.offload.PinnedCopies), not new ones
+        assert all(t.is_pinned() for t in states)
+        copies.append(sorted(t.data_ptr() for t in states))
+        if len(copies) == 1 and hasattr(torch.cuda, "host_memory_stats"):  # before any parameter offload pins more:
+            # the pinned bytes are the packed chunks, not each state tensor rounded up to a power of two
+            pinned = torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)
+            assert pinned <= ln._optim_cpu.nbytes + (64 << 20), (pinned, ln._optim_cpu.nbytes)
         assert stats.extra["offload/optimizer_to_cuda_s"] > 0
         before = torch.cuda.memory_allocated()
         moved = ln.offload()
@@ -56,6 +63,7 @@ def test_learner_offload_moves_state_and_trains_the_same(tiny_model):
     assert all(p.device.type == "cuda" for p in ln.model.parameters())
     assert losses == pytest.approx(plain_losses, abs=1e-6)
     assert max(float(np.abs(w[k] - plain_w[k]).max()) for k in w) < 1e-6
+    assert copies[0] == copies[1] == copies[2]
     ln.shutdown()
 
 
