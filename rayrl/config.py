@@ -198,7 +198,9 @@ class LearnerConfig:
     # verl's fsdp_config.param_offload / optimizer_offload. Parameters and gradients: in CPU memory between steps
     # (while the engines generate), on the GPU for the update, log-probs, weight sync and checkpoints. Optimizer
     # state: in CPU memory except during the optimizer step itself (the forward/backward run without it: a 7B
-    # shape's 61 GB of AdamW state is only on the GPU for the step).
+    # shape's 61 GB of AdamW state is only on the GPU for the step). Host memory: about the state's bytes per rank
+    # (page-locked, made once: rayrl.offload.PinnedCopies); offloaded parameters take up to twice theirs (torch's
+    # pinned allocator rounds each tensor up to a power of two), and engine.sleep_level 1 keeps the engine's weights.
     param_offload: bool = False
     optimizer_offload: bool = False
 
