@@ -12,6 +12,7 @@ before and after, every process on it counted).
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 
@@ -65,3 +66,56 @@ def _offload_metrics(moved: list[list]) -> dict[str, float]:
     """The slowest rank's seconds of the learners' offload (empty without learner.param_offload)."""
     seconds = [sum(m.seconds for m in rank) for rank in moved if rank]
     return {"colocate/offload_s": max(seconds)} if seconds else {}
+
+
+def host_memory_warning(cfg: Config, shapes: Callable[[], list[tuple[int, ...]]], nodes: list[dict]) -> str | None:
+    """Before the actors start: a warning line when what offload and sleep mode keep in a GPU node's CPU memory
+    comes near the memory Ray sees there (`shapes()`: the model's parameter shapes, rayrl.models.param_shapes;
+    `nodes`: ray.nodes()). An OS that runs out kills a learner or an engine without a Python error: on the H200
+    host a 7B shape's AdamW state, pinned tensor by tensor, took the host to 116 GiB of 125, and with the engine's
+    weights kept as well (sleep level 1) the process was SIGKILLed (bench/gpu/results/2026-12-05).
+    Per learner rank (FSDP shards dimension 0 over the ranks): the AdamW state, 8 bytes a parameter
+    (rayrl.offload.PinnedCopies: no rounding to speak of); the parameters, 4 bytes each, every tensor rounded up
+    to a power of two (torch's pinned allocator), twice with a KL reference model. Per engine at sleep level 1:
+    its weights in the model's dtype, rounded the same way (vLLM keeps them pinned)."""
+    lc, e = cfg.learner, cfg.engine
+    if not (lc.param_offload or lc.optimizer_offload or e.sleep_level == 1) or lc.gpus_per_worker <= 0:
+        return None
+    from rayrl.offload import pow2  # torch: only where offload or sleep is on
+
+    params = shapes()
+    world = lc.num_workers
+    local = [math.ceil(s[0] / world) * math.prod(s[1:]) if s else 1 for s in params]  # a rank's shard of each
+    parts = {}
+    if lc.optimizer_offload:
+        parts["learner.optimizer_offload"] = 8 * sum(local)
+    if lc.param_offload:
+        parts["learner.param_offload"] = sum(pow2(4 * n) for n in local) * (2 if cfg.algo.use_kl_loss else 1)
+    per_rank = sum(parts.values())
+    engine_bytes = 0
+    if e.sleep_level == 1:
+        size = 4 if cfg.model.dtype == "float32" else 2
+        engine_bytes = sum(pow2(size * math.prod(s)) for s in params)
+    worst = None
+    for node in nodes:
+        res = node.get("Resources", {})
+        gpus = res.get("GPU", 0.0)
+        if not node.get("Alive", True) or not gpus:
+            continue
+        ranks = min(world, int(gpus / lc.gpus_per_worker + 1e-9))
+        engines = min(e.num_engines, int(gpus / e.gpus_per_engine + 1e-9)) if e.gpus_per_engine > 0 else 0
+        need = ranks * per_rank + engines * engine_bytes
+        have = res.get("memory", 0.0) + res.get("object_store_memory", 0.0)
+        if have and (worst is None or need / have > worst[0]):
+            worst = (need / have, node.get("NodeManagerAddress", "?"), ranks, engines, need, have)
+    if worst is None or worst[0] < 0.9:
+        return None
+    _, addr, ranks, engines, need, have = worst
+    gb = 1e9
+    what = [f"{name} ~{ranks * b / gb:.1f} GB" for name, b in parts.items()]
+    if engine_bytes and engines:
+        what.append(f"engine.sleep_level=1 ~{engines * engine_bytes / gb:.1f} GB of engine weights")
+    return (f"rayrl: warning: CPU memory of node {addr} ({ranks} learner rank(s), {engines} engine(s)): "
+            f"{' + '.join(what)} = ~{need / gb:.0f} GB, against the ~{have / gb:.0f} GB Ray sees there; an OS "
+            "out of memory kills a learner or engine (it shows as a SIGKILL). engine.sleep_level=2 drops the "
+            "engines' copy; more learner ranks (learner.num_workers) spread the rest")

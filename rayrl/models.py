@@ -7,6 +7,7 @@ Each ends as a plain Hugging Face folder (config, safetensors, tokenizer, chat t
 from __future__ import annotations
 
 import importlib.util
+import math
 import os
 import shutil
 import tempfile
@@ -179,12 +180,17 @@ def make_model(shape: str, target: str, dtype: str = "bfloat16", seed: int = 0, 
 
 def param_count(path: str) -> int:
     """Parameters of the model in folder `path` (tied ones once), from its config alone: built on the meta device."""
+    return sum(math.prod(s) for s in param_shapes(path))
+
+
+def param_shapes(path: str) -> list[tuple[int, ...]]:
+    """The shape of each parameter of the model in folder `path` (tied ones once), from its config alone."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
-    return sum(p.numel() for p in model.parameters())
+    return [tuple(p.shape) for p in model.parameters()]
 
 
 def _save_atomic(model, tok, target: str) -> None:

@@ -66,7 +66,7 @@ class PinnedCopies:
         if not todo:
             return
         size = {k: -(-t.numel() * t.element_size() // self.ALIGN) * self.ALIGN for k, t in todo.items()}
-        cap = max(self.min_chunk, _pow2(max(size.values())))
+        cap = max(self.min_chunk, pow2(max(size.values())))
         placed: list[list[tuple[Hashable, int]]] = []
         used: list[int] = []
         for k in sorted(size, key=lambda k: -size[k]):
@@ -77,7 +77,7 @@ class PinnedCopies:
             placed[i].append((k, used[i]))
             used[i] += size[k]
         for keys, total in zip(placed, used, strict=True):
-            chunk = torch.empty(_pow2(total), dtype=torch.uint8, pin_memory=self.pin)  # no rounding left to do
+            chunk = torch.empty(pow2(total), dtype=torch.uint8, pin_memory=self.pin)  # no rounding left to do
             self.chunks.append(chunk)
             for k, at in keys:
                 t = todo[k]
@@ -93,7 +93,8 @@ class PinnedCopies:
         return sum(c.numel() for c in self.chunks)
 
 
-def _pow2(n: int) -> int:
+def pow2(n: int) -> int:
+    """The smallest power of two >= n: what torch's pinned allocator reserves for n bytes."""
     return 1 << max(n - 1, 0).bit_length()
 
 

@@ -38,7 +38,7 @@ from rayrl.metrics import (
     val_metrics,
     version_metrics,
 )
-from rayrl.models import resolve_model
+from rayrl.models import param_shapes, resolve_model
 from rayrl.types import Task, Trajectory
 
 
@@ -55,6 +55,8 @@ def train(cfg: Config) -> dict:
     checkpoint.preflight(t.output_dir, model_path, cfg.model.dtype, t.export_hf)  # a save that cannot fit fails now
     cluster.connect(cfg)
     check_cluster(cfg, ray.cluster_resources())
+    if warning := colocate.host_memory_warning(cfg, lambda: param_shapes(model_path), ray.nodes()):
+        print(warning, file=sys.stderr)  # noqa: T201
     decode = _decoder(model_path) if val_rows and t.log_val_generations else None
     actors, log, summary, step = None, None, {}, 0
     if t.trace:

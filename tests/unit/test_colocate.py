@@ -90,3 +90,61 @@ def test_one_gpu_job_is_colocated_with_sleep_and_offload():
     assert cfg.engine.sleep_level == 1 and cfg.engine.gpu_memory_utilization >= 0.8
     assert cfg.engine.gpus_per_engine + cfg.learner.gpus_per_worker <= 1
     assert cfg.learner.param_offload and cfg.learner.optimizer_offload
+
+
+def qwen25_7b_shapes() -> list[tuple[int, ...]]:
+    """Qwen2.5-7B's parameter shapes (untied lm_head, q/k/v biases): 7.62B parameters."""
+    h, inter, kv, vocab = 3584, 18944, 512, 152064
+    layer = [(h, h), (h,), (kv, h), (kv,), (kv, h), (kv,), (h, h), (inter, h), (inter, h), (h, inter), (h,), (h,)]
+    return [(vocab, h), *layer * 28, (h,), (vocab, h)]
+
+
+H200_HOST = {"Alive": True, "NodeManagerAddress": "10.0.0.7",
+             "Resources": {"GPU": 1.0, "memory": 100e9, "object_store_memory": 34e9}}  # 125 GiB as Ray splits it
+ONE_GPU = ["engine.gpus_per_engine=0.5", "learner.gpus_per_worker=0.5", "model.dtype=bfloat16"]
+
+
+@pytest.mark.parametrize("overrides, warned", [
+    # the one-GPU seed layout on the 7B shape: state 61 GB + parameters 58 GB (rounded) + engine weights 29 GB
+    (["engine.sleep_level=1", "learner.param_offload=true", "learner.optimizer_offload=true"], True),
+    # the AdamW state alone, packed (61 GB), and the engine dropping its weights: fits
+    (["engine.sleep_level=2", "learner.optimizer_offload=true"], False),
+    (["engine.sleep_level=1", "learner.optimizer_offload=true"], False),  # + 29 GB: 90 of 134 GB
+])
+def test_host_memory_warning_on_the_7b_shape_on_one_h200_host(overrides, warned):
+    from rayrl.colocate import host_memory_warning
+
+    cfg = load_config(None, ONE_GPU + overrides, check_files=False)
+    warning = host_memory_warning(cfg, qwen25_7b_shapes, [H200_HOST])
+    assert (warning is not None) == warned
+    if warned:
+        assert "node 10.0.0.7" in warning and "learner.optimizer_offload ~60.9 GB" in warning
+        assert "learner.param_offload ~57.9 GB" in warning and "engine.sleep_level=2" in warning
+
+
+def test_host_memory_is_per_rank_shard_and_skips_nodes_without_gpus():
+    from rayrl.colocate import host_memory_warning
+
+    def eight_gpus(memory: float) -> dict:
+        return {"Alive": True, "NodeManagerAddress": "10.0.0.8",
+                "Resources": {"GPU": 8.0, "memory": memory, "object_store_memory": 0.2 * memory}}
+
+    cpu_only = {"Alive": True, "NodeManagerAddress": "10.0.0.9", "Resources": {"CPU": 64.0, "memory": 1e9}}
+    cfg = load_config(None, ONE_GPU + ["engine.num_engines=8", "learner.num_workers=8", "engine.sleep_level=1",
+                                       "learner.param_offload=true", "learner.optimizer_offload=true"],
+                      check_files=False)
+    # 8 ranks, each with 1/8 of the state (7.6 GB) and of the parameters (7.2 GB rounded), and 8 engines' whole
+    # weights (29 GB rounded each): ~351 GB on the node; the CPU-only node holds none of it
+    assert host_memory_warning(cfg, qwen25_7b_shapes, [eight_gpus(1.5e12), cpu_only]) is None
+    warning = host_memory_warning(cfg, qwen25_7b_shapes, [eight_gpus(300e9), cpu_only])
+    assert "node 10.0.0.8 (8 learner rank(s), 8 engine(s))" in warning and "~351 GB" in warning
+
+
+def test_host_memory_not_estimated_without_offload_or_sleep():
+    from rayrl.colocate import host_memory_warning
+
+    def shapes():
+        raise AssertionError("the model's shapes are read only when something is offloaded")
+
+    cfg = load_config(None, ONE_GPU, check_files=False)
+    assert host_memory_warning(cfg, shapes, [H200_HOST]) is None
