@@ -234,7 +234,7 @@ def start(cfg: Config, model_path: str) -> Actors:
             actors.runs.append(None)
             start_worker(actors, cfg, i)
     except BaseException:
-        shutdown(actors)  # a failed start must not leave engines or placement groups behind
+        shutdown(actors, starting=True)  # a failed or stopped start must not leave engines or placement groups behind
         raise
     return actors
 
@@ -303,12 +303,14 @@ def restart_dead_workers(actors: Actors, cfg: Config) -> list[str]:
     return dead
 
 
-def shutdown(actors: Actors | None) -> None:
-    """Stop engines cleanly (their engine-core subprocesses with them), then kill every actor."""
+def shutdown(actors: Actors | None, starting: bool = False) -> None:
+    """Stop engines cleanly (their engine-core subprocesses with them, also mid-start), then kill every actor.
+    `starting`: the learners may still be loading (a call to them would wait for that): they are only killed."""
     if actors is None:
         return
+    learners = [] if starting else [ln.shutdown.remote() for ln in actors.learners]
     try:
-        ray.get([e.shutdown.remote() for e in actors.engines] + [ln.shutdown.remote() for ln in actors.learners]
+        ray.get([e.shutdown.remote() for e in actors.engines] + learners
                 + [s.close.remote() for s in actors.sandboxes], timeout=30)
     except Exception:  # noqa: BLE001 - dying anyway; the kills below still run
         pass

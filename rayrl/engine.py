@@ -193,7 +193,7 @@ class Engine:
 
     async def shutdown(self) -> None:
         if self._backend is not None:
-            self._backend.shutdown()
+            await self._backend.shutdown()
             self._backend = None
 
 
@@ -224,7 +224,12 @@ class _VLLM:
                                # cuda_ipc / broadcast receive inside the worker process, by method name
                                worker_extension_cls="rayrl.weight_sync.worker.WorkerExtension",
                                **({"enable_sleep_mode": True} if cfg.sleep_level else {}))
-        self.llm = AsyncLLM.from_engine_args(args)
+        # In a thread: the actor's event loop stays free while vLLM loads (tens of seconds), so a shutdown() that
+        # arrives meanwhile (a stopped or failed start) runs now, not after it. AsyncLLM starts its output handler
+        # on the first request's loop when built outside one.
+        self.older = _children()  # what shutdown() must not touch
+        self.starting = asyncio.ensure_future(asyncio.to_thread(AsyncLLM.from_engine_args, args))
+        self.llm = await self.starting
 
     async def generate(self, prompt_ids, s: Sampling, request_id):
         from vllm import SamplingParams
@@ -280,10 +285,38 @@ class _VLLM:
         finally:
             os.remove(path)
 
-    def shutdown(self) -> None:
-        if hasattr(self, "llm"):  # not when start() failed or was interrupted before vLLM came up
-            self.llm.shutdown()
+    async def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop vLLM, also while it starts: then its engine core, once spawned, is killed (the start fails at once,
+        or, finished meanwhile, is shut down), as an actor killed mid-start would leave it running."""
+        starting = getattr(self, "starting", None)
+        deadline = time.monotonic() + timeout
+        while starting is not None and not starting.done() and time.monotonic() < deadline:
+            _kill_children(self.older)
+            await asyncio.wait([starting], timeout=0.2)
+        if starting is not None and starting.done() and not starting.cancelled() and starting.exception() is None:
+            starting.result().shutdown()  # the AsyncLLM that start() holds (or was about to)
+        elif starting is not None:
+            _kill_children(self.older)
         self.shm.remove()
+
+
+def _children() -> set[int]:
+    import psutil
+
+    return {p.pid for p in psutil.Process().children(recursive=True)}
+
+
+def _kill_children(older: set[int]) -> None:
+    """The processes this one started since `older` was taken (vLLM's engine core and its workers), killed: what a
+    shutdown during AsyncLLM's start has to stop (on CPU, an engine actor killed mid-start left its
+    VLLM::EngineCore running, with its 4 GiB of KV cache)."""
+    import psutil
+
+    for pid in _children() - older:
+        try:
+            psutil.Process(pid).kill()
+        except psutil.Error:
+            pass
 
 
 @functools.cache
@@ -369,6 +402,6 @@ class _HF:
     def unfinished(self) -> int:
         return 1 if self.lock.locked() else 0
 
-    def shutdown(self) -> None:
+    async def shutdown(self) -> None:
         self.model = None
 

@@ -92,6 +92,43 @@ def test_signal_mid_run_stops_cleanly(sig, tiny_model, tmp_path):
             driver.kill()
 
 
+def test_sigint_while_the_engine_starts_leaves_no_engine_core(tiny_model, tmp_path):
+    """Ctrl-C while vLLM loads (its engine core up, no step begun): one line, exit 130, and none of the run's
+    processes left. Before, the driver waited out a 30 s timeout on actors still loading, then killed the engine
+    actor, whose VLLM::EngineCore lived on (with its KV cache)."""
+    env = {**os.environ, "PYTHONPATH": ROOT, "PYTHONUNBUFFERED": "1"}
+    env.pop("RAY_ADDRESS", None)
+    args = tiny_overrides(tiny_model, str(tmp_path / "run"), **{"trainer.total_steps": 20})
+    log = open(tmp_path / "driver.log", "w")
+    driver = subprocess.Popen([sys.executable, "-m", "rayrl", "train", *args], env=env, cwd=tmp_path, stdout=log,
+                              stderr=subprocess.STDOUT)
+    try:
+        seen: dict[int, float] = {}
+
+        def engine_core_up():
+            up = False
+            for p in psutil.Process(driver.pid).children(recursive=True):
+                try:
+                    seen.setdefault(p.pid, p.create_time())
+                    up |= "EngineCore" in " ".join(p.cmdline())
+                except psutil.Error:
+                    pass
+            return up or driver.poll() is not None
+
+        assert wait_until(engine_core_up, timeout=300, interval=0.5), (tmp_path / "driver.log").read_text()[-3000:]
+        assert driver.poll() is None and "step 1:" not in (tmp_path / "driver.log").read_text()
+        os.kill(driver.pid, signal.SIGINT)
+        rc = driver.wait(timeout=120)
+        text = (tmp_path / "driver.log").read_text()
+        assert rc == 130 and "rayrl: stopped by SIGINT at step 0" in text, text[-3000:]
+        assert "Traceback" not in text, text[-3000:]
+        wait_until(lambda: not _alive(seen), timeout=30)
+        assert not _alive(seen), _alive(seen)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+
+
 def test_cluster_stop_stops_every_process_it_started():
     """tests.helpers.LocalCluster.stop(), which every e2e test ends with: nothing of the cluster outlives it, the
     head's Ray client server (`ray.util.client.server`, which does not carry the temp dir) included."""

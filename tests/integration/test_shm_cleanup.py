@@ -81,3 +81,38 @@ def test_engine_whose_start_failed_shuts_down_cleanly(tmp_path):
 
     err, path = asyncio.run(go())
     assert not isinstance(err, AttributeError) and not os.path.exists(path)
+
+
+def test_engine_shut_down_while_vllm_starts_leaves_no_engine_core(tiny_model):
+    """shutdown() while AsyncLLM is still being built (its engine core spawned, the start not done) kills that engine
+    core and ends the start; before, shutdown found no AsyncLLM yet and left the engine core running (a Ctrl-C during
+    a run's start orphaned it). Needs no Ray: the Engine class as EngineActor runs it."""
+    import asyncio
+
+    import psutil
+
+    from rayrl.config import EngineConfig
+    from rayrl.engine import Engine
+
+    me = psutil.Process()
+    before = {p.pid for p in me.children(recursive=True)}
+    engine = Engine(tiny_model, EngineConfig())
+
+    async def go():
+        start = asyncio.ensure_future(engine.start())
+        spawned: list[psutil.Process] = []
+        for _ in range(1200):  # the engine core process appears well before vLLM is ready
+            spawned = [p for p in me.children(recursive=True) if p.pid not in before]
+            if spawned or start.done():
+                break
+            await asyncio.sleep(0.1)
+        assert spawned and not start.done(), "vLLM started before its engine core could be seen"
+        await engine.shutdown()
+        with pytest.raises(Exception) as ended:  # vLLM's own error for an engine core that died
+            await asyncio.wait_for(start, 60)
+        return spawned, ended.value
+
+    spawned, ended = asyncio.run(go())
+    assert not isinstance(ended, asyncio.TimeoutError), "the start went on after shutdown()"
+    left = [p for p in spawned if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not left, [" ".join(p.cmdline()) for p in left]
