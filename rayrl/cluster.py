@@ -15,6 +15,7 @@ import contextlib
 import os
 import secrets
 import socket
+import time
 import uuid
 from dataclasses import dataclass, field
 
@@ -210,11 +211,11 @@ def start(cfg: Config, model_path: str) -> Actors:
         # their weights are kept for the first wake) while the learners load.
         starts = [eng.start.remote() for eng in engines]
         if e.sleep_level:
-            ray.get(starts, timeout=e.sync_timeout + 600)
+            _get(starts, timeout=e.sync_timeout + 600)
             starts = [eng.sleep.remote(1) for eng in engines]
-            ray.get(starts, timeout=e.sync_timeout + 60)
+            _get(starts, timeout=e.sync_timeout + 60)
         addr, port = ray.get(learners[0].address.remote(), timeout=120)
-        ray.get([ln.setup.remote(addr, port) for ln in learners] + starts, timeout=e.sync_timeout + 600)
+        _get([ln.setup.remote(addr, port) for ln in learners] + starts, timeout=e.sync_timeout + 600)
         actors.weight_sync = weight_sync.connect(cfg, learners, engines)  # + its setup (broadcast: the group)
         # The Gateway runs on the driver's node (the head under `ray job submit`): its URL is what agent services use.
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
@@ -237,6 +238,17 @@ def start(cfg: Config, model_path: str) -> Actors:
         shutdown(actors, starting=True)  # a failed or stopped start must not leave engines or placement groups behind
         raise
     return actors
+
+
+def _get(refs: list, timeout: float) -> list:
+    """ray.get of actors that load for minutes, in waits of a second: a Ctrl-C or SIGTERM then stops the start
+    within one (a single ray.get took ~10 s to notice one on the 2-core machine: until the engines had loaded)."""
+    deadline = time.monotonic() + timeout
+    pending = list(refs)
+    while pending and time.monotonic() < deadline:
+        ready, pending = ray.wait(pending, num_returns=len(pending), timeout=min(1.0, deadline - time.monotonic()))
+        ray.get(ready)  # one that failed raises now, not after the others have loaded
+    return ray.get(refs, timeout=max(deadline - time.monotonic(), 0.001))  # past the deadline: GetTimeoutError
 
 
 def _learners(cfg: Config, model_path: str, groups: dict, gpus: float) -> list:
