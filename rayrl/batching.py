@@ -46,20 +46,16 @@ def _one_thread():
         torch.set_num_threads(before)
 
 
+@_one_thread()
 def advantages(groups: list[list[Trajectory]], norm_by_std: bool) -> list[list[float]]:
     """Per-token GRPO advantages (verl's estimator), in the order of the flattened groups."""
-    flat = [t for g in groups for t in g]
-    if not flat:
-        return []
-    with _one_thread():
-        return _advantages(flat, norm_by_std)
-
-
-def _advantages(flat: list[Trajectory], norm_by_std: bool) -> list[list[float]]:
     import torch
 
     from rayrl.algos import grpo_advantages  # imports verl (~7 s): only where it is used
 
+    flat = [t for g in groups for t in g]
+    if not flat:
+        return []
     width = max(len(t.response_ids) for t in flat)
     mask = torch.zeros(len(flat), width)
     for i, t in enumerate(flat):
@@ -107,6 +103,7 @@ def _engine_lps(t) -> list[float]:
     return getattr(t, "logprobs", None) or [0.0] * len(t.loss_mask)
 
 
+@_one_thread()
 def rollout_correction(minibatches: list[list[TrainBatch]], olds: list[list[list[list[float]]]],
                        cfg: RolloutCorrectionConfig, sequence_parallel: int = 1) -> dict[str, float]:
     """Each mini-batch's shards (one per rank, as `shard` made them) and the learner's log-probs of their rows before
@@ -114,12 +111,6 @@ def rollout_correction(minibatches: list[list[TrainBatch]], olds: list[list[list
     (rayrl.algos.rollout_correction, over every trained token of the step). With `cfg.enabled`, the shards are
     changed in place: `is_weights` set (rollout_is), rejected tokens out of `loss_mask` and the mini-batch's global
     counts recounted (rollout_rs), as verl applies them to the whole batch before the update."""
-    with _one_thread():
-        return _rollout_correction(minibatches, olds, cfg, sequence_parallel)
-
-
-def _rollout_correction(minibatches: list[list[TrainBatch]], olds: list[list[list[list[float]]]],
-                        cfg: RolloutCorrectionConfig, sequence_parallel: int) -> dict[str, float]:
     import torch
 
     from rayrl.algos import rollout_correction as correct  # imports verl: only where it is used

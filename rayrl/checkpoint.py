@@ -92,11 +92,8 @@ def due(step: int, total_steps: int, save_freq: int, save_interval_s: float, sin
             or (save_interval_s > 0 and since_save_s >= save_interval_s))
 
 
-def preflight(output_dir: str, model_path: str, dtype: str, export_hf: bool) -> None:
-    """`room` for the job's model (its parameters counted from its config), the warning printed."""
-    from rayrl.models import param_count  # transformers: the driver only
-
-    n = param_count(model_path)
+def preflight(output_dir: str, n: int, dtype: str, export_hf: bool) -> None:
+    """`room` for the job's model of `n` parameters (rayrl.models.param_count), the warning printed."""
     warning = room(output_dir, n, n * (4 if dtype == "float32" else 2) if export_hf else 0)
     if warning:
         print(warning, file=sys.stderr)  # noqa: T201

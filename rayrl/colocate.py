@@ -68,9 +68,9 @@ def _offload_metrics(moved: list[list]) -> dict[str, float]:
     return {"colocate/offload_s": max(seconds)} if seconds else {}
 
 
-def host_memory_warning(cfg: Config, shapes: Callable[[], list[tuple[int, ...]]], nodes: list[dict]) -> str | None:
+def host_memory_warning(cfg: Config, shapes: list[tuple[int, ...]], nodes: list[dict]) -> str | None:
     """Before the actors start: a warning line when what offload and sleep mode keep in a GPU node's CPU memory
-    comes near the memory Ray sees there (`shapes()`: the model's parameter shapes, rayrl.models.param_shapes;
+    comes near the memory Ray sees there (`shapes`: the model's parameter shapes, rayrl.models.param_shapes;
     `nodes`: ray.nodes()). An OS that runs out kills a learner or an engine without a Python error: on the H200
     host a 7B shape's AdamW state, pinned tensor by tensor, took the host to 116 GiB of 125, and with the engine's
     weights kept as well (sleep level 1) the process was SIGKILLed (bench/gpu/results/2026-12-05).
@@ -83,9 +83,8 @@ def host_memory_warning(cfg: Config, shapes: Callable[[], list[tuple[int, ...]]]
         return None
     from rayrl.offload import pow2  # torch: only where offload or sleep is on
 
-    params = shapes()
     world = lc.num_workers
-    local = [math.ceil(s[0] / world) * math.prod(s[1:]) if s else 1 for s in params]  # a rank's shard of each
+    local = [math.ceil(s[0] / world) * math.prod(s[1:]) if s else 1 for s in shapes]  # a rank's shard of each
     parts = {}
     if lc.optimizer_offload:
         parts["learner.optimizer_offload"] = 8 * sum(local)
@@ -95,7 +94,7 @@ def host_memory_warning(cfg: Config, shapes: Callable[[], list[tuple[int, ...]]]
     engine_bytes = 0
     if e.sleep_level == 1:
         size = 4 if cfg.model.dtype == "float32" else 2
-        engine_bytes = sum(pow2(size * math.prod(s)) for s in params)
+        engine_bytes = sum(pow2(size * math.prod(s)) for s in shapes)
     worst = None
     for node in nodes:
         res = node.get("Resources", {})

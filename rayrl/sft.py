@@ -28,7 +28,7 @@ from rayrl.batching import shard
 from rayrl.config import Config, ConfigError
 from rayrl.data import DataIterator
 from rayrl.metrics import StepLogger
-from rayrl.models import resolve_model
+from rayrl.models import param_count, resolve_model
 from rayrl.sft_data import Example, load_examples
 from rayrl.types import TrainBatch
 
@@ -42,7 +42,8 @@ def sft(cfg: Config) -> dict:
     val_rows = load_examples(s.val_file, tok, s.max_length, s.truncation) if s.val_file else []
     total = s.max_steps or s.epochs * math.ceil(len(rows) / s.batch_size)
     data = DataIterator(rows, s.batch_size, t.seed, cfg.data.shuffle)
-    checkpoint.preflight(t.output_dir, model_path, cfg.model.dtype, t.export_hf)  # a save that cannot fit fails now
+    n_params = param_count(model_path)
+    checkpoint.preflight(t.output_dir, n_params, cfg.model.dtype, t.export_hf)  # a save that cannot fit fails now
     cluster.connect(cfg)
     check_cluster(cfg, ray.cluster_resources())
     actors, log, summary, step = None, None, {}, 0

@@ -17,6 +17,7 @@ checkpoint. How it departs from textbook GRPO:
 from __future__ import annotations
 
 import functools
+import math
 import random
 import sys
 import time
@@ -52,10 +53,12 @@ def train(cfg: Config) -> dict:
     val_rows = [row for src in d.val_source or [] for row in load_rows(src, d.val_size, t.seed + 1, d.gym_kwargs,
                                                                       d.system_prompt)]
     data = DataIterator(rows, t.batch_size, t.seed, d.shuffle)
-    checkpoint.preflight(t.output_dir, model_path, cfg.model.dtype, t.export_hf)  # a save that cannot fit fails now
+    shapes = param_shapes(model_path)  # from its config (meta device): what the checks below need to know
+    n_params = sum(math.prod(s) for s in shapes)
+    checkpoint.preflight(t.output_dir, n_params, cfg.model.dtype, t.export_hf)  # a save that cannot fit fails now
     cluster.connect(cfg)
     check_cluster(cfg, ray.cluster_resources())
-    if warning := colocate.host_memory_warning(cfg, lambda: param_shapes(model_path), ray.nodes()):
+    if warning := colocate.host_memory_warning(cfg, shapes, ray.nodes()):
         print(warning, file=sys.stderr)  # noqa: T201
     decode = _decoder(model_path) if val_rows and t.log_val_generations else None
     actors, log, summary, step = None, None, {}, 0

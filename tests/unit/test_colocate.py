@@ -115,7 +115,7 @@ def test_host_memory_warning_on_the_7b_shape_on_one_h200_host(overrides, warned)
     from rayrl.colocate import host_memory_warning
 
     cfg = load_config(None, ONE_GPU + overrides, check_files=False)
-    warning = host_memory_warning(cfg, qwen25_7b_shapes, [H200_HOST])
+    warning = host_memory_warning(cfg, qwen25_7b_shapes(), [H200_HOST])
     assert (warning is not None) == warned
     if warned:
         assert "node 10.0.0.7" in warning and "learner.optimizer_offload ~60.9 GB" in warning
@@ -135,16 +135,14 @@ def test_host_memory_is_per_rank_shard_and_skips_nodes_without_gpus():
                       check_files=False)
     # 8 ranks, each with 1/8 of the state (7.6 GB) and of the parameters (7.2 GB rounded), and 8 engines' whole
     # weights (29 GB rounded each): ~351 GB on the node; the CPU-only node holds none of it
-    assert host_memory_warning(cfg, qwen25_7b_shapes, [eight_gpus(1.5e12), cpu_only]) is None
-    warning = host_memory_warning(cfg, qwen25_7b_shapes, [eight_gpus(300e9), cpu_only])
+    assert host_memory_warning(cfg, qwen25_7b_shapes(), [eight_gpus(1.5e12), cpu_only]) is None
+    warning = host_memory_warning(cfg, qwen25_7b_shapes(), [eight_gpus(300e9), cpu_only])
     assert "node 10.0.0.8 (8 learner rank(s), 8 engine(s))" in warning and "~351 GB" in warning
 
 
 def test_host_memory_not_estimated_without_offload_or_sleep():
     from rayrl.colocate import host_memory_warning
 
-    def shapes():
-        raise AssertionError("the model's shapes are read only when something is offloaded")
-
-    cfg = load_config(None, ONE_GPU, check_files=False)
-    assert host_memory_warning(cfg, shapes, [H200_HOST]) is None
+    cfg = load_config(None, ONE_GPU, check_files=False)  # nothing waits in CPU memory, however small the node
+    tiny = {**H200_HOST, "Resources": {"GPU": 1.0, "memory": 1e6, "object_store_memory": 0.0}}
+    assert host_memory_warning(cfg, qwen25_7b_shapes(), [tiny]) is None
