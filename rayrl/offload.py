@@ -12,6 +12,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.tensor import DTensor
 
 
 @dataclass
@@ -50,7 +51,8 @@ class PinnedCopies:
     non_blocking=True), as verl's offload_fsdp_optimizer does, takes up to twice its bytes of host memory: on the
     H200 host the Qwen2.5-7B shape's 61 GB of AdamW state drove the host to 116 GiB of 125 (bench/gpu/results/
     2026-12-05). Here the copies are views into chunks whose sizes are powers of two, each at least the largest
-    tensor's (first-fit decreasing), so only a chunk's unused tail is lost."""
+    tensor's (first-fit decreasing), so only a chunk's unused tail is lost. A DTensor's state keeps its local shard
+    in the copy."""
 
     ALIGN = 512  # bytes: every copy starts aligned (any dtype's view, and DMA-friendly)
 
@@ -61,6 +63,7 @@ class PinnedCopies:
 
     def reserve(self, tensors: dict[Hashable, torch.Tensor]) -> None:
         """Copies for the tensors that have none of their shape and dtype yet, packed into new chunks."""
+        tensors = {k: local(t) for k, t in tensors.items()}
         todo = {k: t for k, t in tensors.items()
                 if k not in self.slots or self.slots[k].shape != t.shape or self.slots[k].dtype != t.dtype}
         if not todo:
@@ -86,11 +89,20 @@ class PinnedCopies:
 
     def copy(self, key: Hashable, src: torch.Tensor) -> torch.Tensor:
         """`src` into its copy (asynchronous from a GPU); returns the copy."""
-        return self.slots[key].copy_(src, non_blocking=True)
+        slot = self.slots[key].copy_(local(src), non_blocking=True)
+        if not isinstance(src, DTensor):
+            return slot
+        # as DTensor's own .to() wraps its result (DTensor.from_local would move the shard to the mesh's GPU)
+        return DTensor(slot, src._spec, requires_grad=False)
 
     @property
     def nbytes(self) -> int:
         return sum(c.numel() for c in self.chunks)
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's shard on this rank; any other tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def pow2(n: int) -> int:

@@ -35,6 +35,8 @@ def _learner(model: str, *extra: str):
 def test_learner_offload_moves_state_and_trains_the_same(tiny_model):
     import torch
 
+    from rayrl import offload
+
     plain = _learner(tiny_model)
     plain_losses = [plain.train_step(_batch()).loss for _ in range(3)]
     plain_w = plain.send_weights("object_store", 3).arrays
@@ -45,7 +47,9 @@ def test_learner_offload_moves_state_and_trains_the_same(tiny_model):
     for _ in range(3):
         stats = ln.train_step(_batch())
         losses.append(stats.loss)
-        states = [t for s in ln.optim.state.values() for t in s.values() if torch.is_tensor(t) and t.numel() > 1]
+        # FSDP2's state is DTensors: their local shards are what moved
+        states = [offload.local(t) for s in ln.optim.state.values() for t in s.values()
+                  if torch.is_tensor(t) and t.numel() > 1]
         assert states and all(t.device.type == "cpu" for t in states)  # AdamW state back in CPU memory
         # in the same page-locked copies every step (rayrl.offload.PinnedCopies), not new ones
         assert all(t.is_pinned() for t in states)

@@ -64,3 +64,37 @@ def test_state_larger_than_a_chunk_fills_several_and_the_last_is_only_as_big_as_
     pc.reserve(src)
     assert [c.numel() for c in pc.chunks] == [262_144, 262_144, 131_072]  # 4 + 4 + 2 copies
     assert all(torch.equal(pc.copy(k, t), t) for k, t in src.items())
+
+
+def test_a_dtensor_state_keeps_its_local_shard_in_the_copy():
+    import socket
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    created = not dist.is_initialized()
+    if created:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        src = distribute_tensor(torch.randn(5, 3), mesh, [Shard(0)])  # an FSDP2 exp_avg
+        pc = PinnedCopies(pin=False, min_chunk=1 << 10)
+        pc.reserve({"exp_avg": src})
+        slot = pc.slots["exp_avg"]
+        assert type(slot) is torch.Tensor and slot.shape == src.to_local().shape
+        out = pc.copy("exp_avg", src)
+        assert isinstance(out, DTensor) and out.shape == src.shape and out.placements == src.placements
+        assert out.to_local().data_ptr() == slot.data_ptr() and torch.equal(out.full_tensor(), src.full_tensor())
+        chunks = len(pc.chunks)
+        new = distribute_tensor(torch.randn(5, 3), mesh, [Shard(0)])  # the next offload: same shard
+        pc.reserve({"exp_avg": new})
+        again = pc.copy("exp_avg", new)
+        assert len(pc.chunks) == chunks and pc.slots["exp_avg"] is slot
+        assert again.to_local().data_ptr() == slot.data_ptr() and torch.equal(again.full_tensor(), new.full_tensor())
+    finally:
+        if created:
+            dist.destroy_process_group()
