@@ -210,6 +210,20 @@ def start(cfg: Config, model_path: str) -> Actors:
         # (engine.sleep_level) start first, at their gpu_memory_utilization of a still empty GPU, then sleep (level 1:
         # their weights are kept for the first wake) while the learners load.
         starts = [eng.start.remote() for eng in engines]
+        # Meanwhile the Gateway (it finds the engines by name) and the rollout workers, whose processes take seconds
+        # to start (8 workers: ~9 s of the first step on a 16-core GPU host, bench/gpu/results/2026-12-05b); a worker
+        # only leases tasks, and the driver puts none in the queue before the start returns.
+        # The Gateway runs on the driver's node (the head under `ray job submit`): its URL is what agent services use.
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        actors.gateway = GatewayActor.options(name="rayrl/gateway", num_cpus=0, max_concurrency=10000, **_env(),
+                                              **_RESTART, scheduling_strategy=here).remote(
+            cfg, model_path, ByName([f"rayrl/engine/{i}" for i in range(len(engines))]))
+        listening = actors.gateway.start.remote()
+        for i in range(cfg.rollout.num_workers):
+            actors.generation.append(0)
+            actors.workers.append(None)
+            actors.runs.append(None)
+            start_worker(actors, cfg, i)
         if e.sleep_level:
             _get(starts, timeout=e.sync_timeout + 600)
             starts = [eng.sleep.remote(1) for eng in engines]
@@ -217,23 +231,13 @@ def start(cfg: Config, model_path: str) -> Actors:
         addr, port = ray.get(learners[0].address.remote(), timeout=120)
         _get([ln.setup.remote(addr, port) for ln in learners] + starts, timeout=e.sync_timeout + 600)
         actors.weight_sync = weight_sync.connect(cfg, learners, engines)  # + its setup (broadcast: the group)
-        # The Gateway runs on the driver's node (the head under `ray job submit`): its URL is what agent services use.
-        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        actors.gateway = GatewayActor.options(name="rayrl/gateway", num_cpus=0, max_concurrency=10000, **_env(),
-                                              **_RESTART, scheduling_strategy=here).remote(
-            cfg, model_path, ByName([f"rayrl/engine/{i}" for i in range(len(engines))]))
-        url = ray.get(actors.gateway.start.remote(), timeout=120)
+        url = ray.get(listening, timeout=120)
         actors.gateway_port = int(url.rpartition(":")[2]) if cfg.gateway.enabled else None
         actors.watch = recovery.Watch({"queue": queue, "gateway": actors.gateway, "reward": reward,
                                        **{f"engine/{i}": eng for i, eng in enumerate(engines)},
                                        **{f"sandbox/{i}": sbx for i, sbx in enumerate(sandboxes)}},
                                       cfg.trainer.recover_timeout)
         actors.watch.poll(wait=60)  # every pid, so that a later one differing is a restart
-        for i in range(cfg.rollout.num_workers):
-            actors.generation.append(0)
-            actors.workers.append(None)
-            actors.runs.append(None)
-            start_worker(actors, cfg, i)
     except BaseException:
         shutdown(actors, starting=True)  # a failed or stopped start must not leave engines or placement groups behind
         raise
