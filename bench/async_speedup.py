@@ -42,11 +42,15 @@ def summarize(metrics_path: str) -> dict:
         steps = [m for m in map(json.loads, f) if m.get("step", 0) > 0 and "time/step_s" in m]
     if not steps:
         return {}
-    wall = sum(m["time/step_s"] - m.get("time/val_s", 0.0) for m in steps)
+    def wall(part: list[dict]) -> float:
+        return sum(m["time/step_s"] - m.get("time/val_s", 0.0) for m in part)
+
     busy = [m.get("time/share_generate", 0) + m.get("time/share_learner", 0) + m.get("time/share_sync", 0)
             for m in steps]
     acc = next((v for k, v in sorted(steps[-1].items()) if k.startswith("val-core/") and "/acc/mean@" in k), None)
-    return {"steps": len(steps), "wall_s": wall, "busy_share": sum(busy) / len(busy),
+    return {"steps": len(steps), "wall_s": wall(steps), "busy_share": sum(busy) / len(busy),
+            # without the first step (warm-up: compilation, the first calls) and the last (end-of-run checkpoint)
+            "inner_wall_s": wall(steps[1:-1]) if len(steps) >= 3 else None,
             "version_span_max": max(m.get("policy/version_span_max", 0) for m in steps),
             "mixed_version_share": sum(m.get("policy/mixed_version_share", 0) for m in steps) / len(steps),
             "reward": steps[-1].get("reward/mean"), "val_acc": acc,
@@ -101,11 +105,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--val", default="reasoning_gym:basic_arithmetic", help="validation source (after the last step)")
     p.add_argument("--val-size", type=int, default=32)
     p.add_argument("--timeout", type=float, default=3600, help="seconds per run")
+    p.add_argument("--summarize", metavar="DIR", help="no runs: the table of DIR/<run>/ (metrics, trace)")
     p.add_argument("overrides", nargs="*", help="section.key=value for every run (after --)")
     a = p.parse_args(argv)
     names = a.runs.split(",")
     for name in names:
         run_overrides(name)  # a bad name fails before any run starts
+    if a.summarize:
+        rows = [stored(a.summarize, name) for name in names]
+        table(rows)
+        return 0
     rows = []
     for name in names:
         out = os.path.join(a.out, name)
@@ -140,18 +149,39 @@ def main(argv: list[str] | None = None) -> int:
         print(f"async_speedup: {json.dumps(row)}", flush=True)
     with open(os.path.join(a.out, "results.jsonl"), "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
-    peer = rows[0].get("wall_s")
-    print(f"\n| run | exit | steps | training wall s | vs {rows[0]['run']} | busy share | version span max | "
-          "mixed-version trajectories | final reward | val acc | sandbox call / run s | loop lag ms |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    table(rows)
+    return 0 if all(r["rc"] == 0 for r in rows) else 1
+
+
+def stored(out: str, name: str) -> dict:
+    """A finished run's row from its folder (exit status from results.jsonl where it is there)."""
+    rcs = {}
+    if os.path.exists(results := os.path.join(out, "results.jsonl")):
+        with open(results) as f:
+            rcs = {r["run"]: r["rc"] for r in map(json.loads, f)}
+    row = {"run": name, "rc": rcs.get(name, "-"), **summarize(os.path.join(out, name, "metrics.jsonl"))}
+    trace_path = next((t for t in (os.path.join(out, name, f) for f in ("trace.json", "trace.json.gz"))
+                       if os.path.exists(t)), None)
+    if row.get("steps") and trace_path:
+        row["busy_share_phases"], row["busy_share"] = row["busy_share"], busy_share_from_trace(trace_path)
+    return row
+
+
+def table(rows: list[dict]) -> None:
+    peer, inner = rows[0].get("wall_s"), rows[0].get("inner_wall_s")
+    print(f"\n| run | exit | steps | training wall s | vs {rows[0]['run']} | steps 2..n-1 s | vs {rows[0]['run']} | "
+          "busy share | version span max | mixed-version trajectories | final reward | val acc | "
+          "sandbox call / run s | loop lag ms |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         ratio = f"{r['wall_s'] / peer:.2f}x" if peer and r.get("wall_s") else "-"
+        inner_ratio = f"{r['inner_wall_s'] / inner:.2f}x" if inner and r.get("inner_wall_s") else "-"
         print(f"| {r['run']} | {r['rc']} | {r.get('steps', 0)} | {_fmt(r, 'wall_s', '.1f')} | {ratio} | "
+              f"{_fmt(r, 'inner_wall_s', '.1f')} | {inner_ratio} | "
               f"{_fmt(r, 'busy_share', '.0%')} | {r.get('version_span_max', '-')} | "
               f"{_fmt(r, 'mixed_version_share', '.0%')} | {_fmt(r, 'reward', '.3f')} | {_fmt(r, 'val_acc', '.3f')} | "
               f"{_fmt(r, 'sandbox_call_s', '.2f')} / {_fmt(r, 'sandbox_run_s', '.3f')} | "
               f"{_fmt(r, 'loop_lag_ms', '.1f')} |")
-    return 0 if all(r["rc"] == 0 for r in rows) else 1
 
 
 def _fmt(row: dict, key: str, spec: str) -> str:

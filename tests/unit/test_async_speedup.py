@@ -35,3 +35,21 @@ def test_busy_share_counts_generation_overlapping_the_update_and_leaves_validati
     # wall: 0-8.5 and 10-14 (validation out) = 12.5 s; busy: 0-2, 3-5, 6-8.5 (step 2's generation beside step 1's
     # update, then the sync), 10.1-13.5 = 2 + 2 + 2.5 + 3.4 = 9.9 s; idle: the tool call, 5-6, 8.5-10 is validation
     assert busy_share_from_trace(str(path)) == pytest.approx(9.9 / 12.5)
+
+
+def test_summarize_table_of_stored_runs_leaves_the_first_and_last_steps_out_of_the_inner_wall(tmp_path, capsys):
+    from async_speedup import main
+
+    def steps(times: list[float], val_last: float) -> str:
+        rows = [{"step": i + 1, "time/step_s": t, "reward/mean": 0.5} for i, t in enumerate(times)]
+        rows[-1]["time/val_s"] = val_last
+        return "".join(json.dumps(r) + "\n" for r in rows)
+
+    for name, times in (("s0", [30.0, 6.0, 6.0, 6.0, 12.0]), ("s1p", [30.0, 2.0, 5.0, 2.0, 10.0])):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "metrics.jsonl").write_text(steps(times, val_last=3.0))
+    assert main(["--summarize", str(tmp_path), "--runs", "s0,s1p"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| s")]
+    # walls less validation: s0 57 s, s1p 46 s; steps 2..4: 18 s and 9 s
+    assert rows[0].startswith("| s0 | - | 5 | 57.0 | 1.00x | 18.0 | 1.00x |")
+    assert rows[1].startswith("| s1p | - | 5 | 46.0 | 0.81x | 9.0 | 0.50x |")
