@@ -16,7 +16,6 @@ Run names: s<staleness> (partial rollouts off), s<staleness>p (on). The first ru
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import os
 import signal
@@ -65,13 +64,12 @@ def busy_share_from_trace(path: str) -> float | None:
     steps (each step's rollout start to its end) less validation. The step lines' phase shares give each instant
     to one phase of the step's own rollout window, so they miss the generation an async run overlaps with the
     update (the next batch's trajectories belong to the next step)."""
-    from rayrl.metrics import _intersect, _length, _union
+    from rayrl.metrics import intersect, length, union
+    from rayrl.trace import events
 
-    with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
-        data = json.load(f)
     spans: dict[str, list[tuple[float, float]]] = {}
     step_end: dict[int, float] = {}
-    for e in data["traceEvents"] if isinstance(data, dict) else data:
+    for e in events(path):
         if e.get("ph") != "X":
             continue
         a, b = e["ts"] / 1e6, (e["ts"] + e.get("dur", 0)) / 1e6
@@ -81,13 +79,13 @@ def busy_share_from_trace(path: str) -> float | None:
     rollouts = sorted(spans.get("rollout", []))
     if not rollouts or len(rollouts) != len(step_end):
         return None
-    window = _union([(r[0], end) for r, (_, end) in zip(rollouts, sorted(step_end.items()), strict=True)])
-    val = _union(spans.get("validate", []))
-    busy = _union(spans.get("llm", []) + spans.get("learner/train_step", []) + spans.get("learner/compute_logprobs", [])
+    window = union([(r[0], end) for r, (_, end) in zip(rollouts, sorted(step_end.items()), strict=True)])
+    val = union(spans.get("validate", []))
+    busy = union(spans.get("llm", []) + spans.get("learner/train_step", []) + spans.get("learner/compute_logprobs", [])
                   + spans.get("weight_sync", []))
-    wall = _length(window) - _length(_intersect(window, val))
-    inside = _intersect(busy, window)
-    return (_length(inside) - _length(_intersect(inside, val))) / wall if wall > 0 else None
+    wall = length(window) - length(intersect(window, val))
+    inside = intersect(busy, window)
+    return (length(inside) - length(intersect(inside, val))) / wall if wall > 0 else None
 
 
 def _mean(steps: list[dict], key: str, scale: float = 1.0) -> float | None:

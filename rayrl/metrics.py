@@ -237,18 +237,19 @@ def phase_shares(trajs: list, start: float, rollout_end: float, learner_s: float
     taken: list[tuple[float, float]] = []
     out = {}
     for kind in ("generate", "tool", "reward"):
-        mine = _union(spans[kind])
-        out[kind] = _length(mine) - _length(_intersect(mine, taken))
-        taken = _union(taken + mine)
+        mine = union(spans[kind])
+        out[kind] = length(mine) - length(intersect(mine, taken))
+        taken = union(taken + mine)
     window = max(rollout_end - start, 0.0)
-    out["rollout_idle"] = max(window - _length(taken), 0.0)
+    out["rollout_idle"] = max(window - length(taken), 0.0)
     out["learner"], out["sync"] = learner_s, sync_s
     out["other"] = max(step_s - window - learner_s - sync_s, 0.0)
     total = sum(out.values()) or 1.0
     return {f"time/share_{k}": v / total for k, v in out.items()}
 
 
-def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+def union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Time spans (start, end) merged where they overlap, in order."""
     out: list[tuple[float, float]] = []
     for a, b in sorted(s for s in spans if s[1] > s[0]):
         if out and a <= out[-1][1]:
@@ -258,9 +259,10 @@ def _union(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return out
 
 
-def _intersect(xs: list[tuple[float, float]], ys: list[tuple[float, float]]) -> list[tuple[float, float]]:
+def intersect(xs: list[tuple[float, float]], ys: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """Where the spans of `xs` overlap those of `ys` (each list without overlaps of its own: union)."""
     return [(max(a, c), min(b, d)) for a, b in xs for c, d in ys if min(b, d) > max(a, c)]
 
 
-def _length(spans: list[tuple[float, float]]) -> float:
+def length(spans: list[tuple[float, float]]) -> float:
     return sum(b - a for a, b in spans)

@@ -22,6 +22,7 @@ finished) and starts `timings["total"]` seconds before that.
 from __future__ import annotations
 
 import contextlib
+import gzip
 import json
 import os
 import time
@@ -209,6 +210,13 @@ def dump(run_dir: str, first: int | None, last: int | None, out: str) -> str:
                    "displayTimeUnit": "ms", "otherData": {"run_dir": os.path.abspath(run_dir)}}, f)
     os.replace(tmp, out)
     return out
+
+
+def events(path: str) -> list[dict]:
+    """The events of a Chrome trace file that `dump` (or `train`) wrote, gzipped or not."""
+    with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
+        data = json.load(f)
+    return data["traceEvents"] if isinstance(data, dict) else data
 
 
 def _us(t: float) -> int:

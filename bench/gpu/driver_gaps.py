@@ -7,17 +7,14 @@ of the rollout to the first train_step (advantages, shards) and from the last tr
 
 from __future__ import annotations
 
-import gzip
-import json
 import sys
+
+from rayrl.trace import events
 
 
 def gaps(path: str) -> list[tuple[int, float, float]]:
-    with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
-        data = json.load(f)
-    events = data["traceEvents"] if isinstance(data, dict) else data
     steps: dict[int, dict[str, list[dict]]] = {}
-    for e in events:  # the driver's lane of each step (pid = step, tid 0)
+    for e in events(path):  # the driver's lane of each step (pid = step, tid 0)
         if e.get("ph") == "X" and e.get("tid") == 0:
             steps.setdefault(e["pid"], {}).setdefault(e["name"], []).append(e)
     out = []
