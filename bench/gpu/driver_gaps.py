@@ -1,6 +1,8 @@
 """The driver's own time around each step's update, from a run's trace.json (trainer.trace): seconds from the end
 of the rollout to the first train_step (advantages, shards) and from the last train_step to the weight sync
-(rollout_correction's metrics, the step's bookkeeping). Work the driver does while the engines wait.
+(rollout_correction's metrics, the step's bookkeeping). Work the driver does while the engines wait. Also, per
+step, seconds from the rollout's start to its first trajectory's (how long the step waited for episodes to begin;
+negative where an async run began them during the step before).
 
     python bench/gpu/driver_gaps.py RUN_DIR/trace.json[.gz] [...]
 """
@@ -12,11 +14,14 @@ import sys
 from rayrl.trace import events
 
 
-def gaps(path: str) -> list[tuple[int, float, float]]:
+def gaps(path: str) -> list[tuple[int, float, float, float | None]]:
     steps: dict[int, dict[str, list[dict]]] = {}
+    first: dict[int, float] = {}  # each step's earliest trajectory start (its lanes: pid = step, tid > 0)
     for e in events(path):  # the driver's lane of each step (pid = step, tid 0)
         if e.get("ph") == "X" and e.get("tid") == 0:
             steps.setdefault(e["pid"], {}).setdefault(e["name"], []).append(e)
+        elif e.get("ph") == "X" and e["name"].startswith("trajectory "):
+            first[e["pid"]] = min(first.get(e["pid"], e["ts"]), e["ts"])
     out = []
     for step, spans in sorted(steps.items()):
         if not all(k in spans for k in ("rollout", "learner/train_step", "weight_sync")):
@@ -25,7 +30,8 @@ def gaps(path: str) -> list[tuple[int, float, float]]:
         train = sorted(spans["learner/train_step"], key=lambda e: e["ts"])
         before = (train[0]["ts"] - roll["ts"] - roll["dur"]) / 1e6
         after = (sync["ts"] - train[-1]["ts"] - train[-1]["dur"]) / 1e6
-        out.append((step, before, after))
+        begin = (first[step] - roll["ts"]) / 1e6 if step in first else None
+        out.append((step, before, after, begin))
     return out
 
 
@@ -34,7 +40,9 @@ if __name__ == "__main__":
         rows = gaps(path)
         mid = rows[1:-1]  # the first (warm-up) and last (checkpoint, validation) steps apart
         print(f"{path}: rollout->update / update->sync s per step: "
-              + " ".join(f"{s}:{b:.2f}/{a:.2f}" for s, b, a in rows))
+              + " ".join(f"{s}:{b:.2f}/{a:.2f}" for s, b, a, _ in rows))
+        print("  rollout->first trajectory s per step: "
+              + " ".join(f"{s}:{'-' if f is None else format(f, '.2f')}" for s, _, _, f in rows))
         if mid:
             print(f"  steps 2..{rows[-2][0]}: mean {sum(r[1] for r in mid) / len(mid):.3f} / "
                   f"{sum(r[2] for r in mid) / len(mid):.3f} s, max {max(r[1] for r in mid):.2f} / "
