@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from rayrl import algos, attention, offload, weight_sync
+from rayrl import algos, attention, offload, recompute, weight_sync
 from rayrl.batching import token_budget_bins
 from rayrl.config import Config, sequence_parallel_heads_error
 from rayrl.export import write_hf
@@ -41,6 +41,8 @@ class Learner:
         self.use_cuda = cfg.learner.gpus_per_worker > 0 and torch.cuda.is_available()
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.use_cuda else torch.device("cpu")
         self.compiled = self.use_cuda if cfg.learner.compile is None else cfg.learner.compile
+        rf = cfg.learner.reshard_after_forward
+        self.reshard_after_forward = world_size > 1 if rf is None else rf
         self.params_offloaded = False  # learner.param_offload: parameters in CPU memory since the last offload()
         # weights out: one sender per strategy (rayrl/weight_sync/), the driver picks which
         self._senders: dict[str, weight_sync.Sender] = {
@@ -84,19 +86,19 @@ class Learner:
         if self.sp is not None and (why := sequence_parallel_heads_error(
                 model.config.num_attention_heads, model.config.num_key_value_heads, self.sp_size)):
             raise ValueError(f"model.path {self.model_path!r}: {why}")
-        if self.cfg.model.gradient_checkpointing:
-            model.gradient_checkpointing_enable()
         model.config.use_cache = False
         if self.cfg.learner.pack:  # the lm_head fused into the log-prob kernel: no [tokens x vocab] logits
             model.lm_head = LogprobHead(model.lm_head, compiled=self.compiled)
         model.to(self.device)
-        if self.compiled:  # the forward only: FSDP's hooks around it stay eager (torchtitan does the same)
-            for layer in model.model.layers:
-                layer.forward = torch.compile(layer.forward, dynamic=self.layer_dynamic)
+        # each layer's forward checkpointed, then compiled (the forward only: FSDP's hooks around it stay eager, as
+        # in torchtitan)
+        recompute.wrap_layers(model.model.layers, self.cfg.model.gradient_checkpointing,
+                              self.cfg.model.gradient_checkpointing_keep_attention, self.compiled, self.layer_dynamic)
         mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-        # Shard each decoder layer, then the root (embeddings, norm, lm_head) — FSDP2's usual wrapping. One rank holds
-        # everything anyway: keep the gathered bf16 copy from forward to backward instead of gathering it twice.
-        reshard = self.world_size > 1
+        # Shard each decoder layer, then the root (embeddings, norm, lm_head) — FSDP2's usual wrapping. By default one
+        # rank keeps the gathered bf16 copy from forward to backward instead of gathering it twice (learner.
+        # reshard_after_forward: true frees it, 2 bytes a parameter, for a copy per layer and micro-batch).
+        reshard = self.reshard_after_forward
         for layer in model.model.layers:
             fully_shard(layer, mp_policy=mp, reshard_after_forward=reshard)
         fully_shard(model, mp_policy=mp, reshard_after_forward=reshard)
@@ -216,8 +218,9 @@ class Learner:
         this micro-batch's gradients to an fp32 sum (FSDP2's no-sync accumulation) instead of re-gathering the
         weights and "reducing" (copying, casting, adding) every gradient after each backward. The last micro-batch
         reduces and reshards as usual. With several ranks the unsharded sums would cost each rank the full model's
-        gradients in fp32, so they reduce every micro-batch."""
-        if self.world_size == 1:
+        gradients in fp32, so they reduce every micro-batch, as one rank does when learner.reshard_after_forward
+        frees the gathered weights."""
+        if self.world_size == 1 and not self.reshard_after_forward:
             self.model.set_requires_gradient_sync(not more)
             self.model.set_reshard_after_backward(not more)
 

@@ -312,7 +312,10 @@ def train_throughput(ln, lengths: list[int], prompt_len: int, vocab: int, steps:
     body = sum(p.numel() for n, p in named.items() if "embed_tokens" not in n and n != "lm_head.weight")
     tokens = sum(lengths)
     predicted = sum(n - prompt_len for n in lengths)
-    attn = sum(6 * m.num_hidden_layers * m.hidden_size * n * n for n in lengths)  # causal: half of 12 L d n^2
+    # causal: half of 12 L d n^2, d the attention's width (heads x head_dim: 4096 in Qwen3-4B, whose hidden size is
+    # 2560; counted as the hidden size before 2026-12-05, which left a third of the 4B's attention FLOPs out)
+    d_attn = m.num_attention_heads * (getattr(m, "head_dim", None) or m.hidden_size // m.num_attention_heads)
+    attn = sum(6 * m.num_hidden_layers * d_attn * n * n for n in lengths)
     flops = 6 * body * tokens + 6 * head * predicted + attn
     kinds = profile_step(ln, b, profile) if profile and cuda else None  # where the GPU time goes, how busy it is
     lc = ln.cfg.learner

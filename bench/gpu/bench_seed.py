@@ -1,8 +1,12 @@
 """Seed scale on one GPU (issue #14): the learner on the seed shapes at the seed lengths, one case per process.
 
-    python bench/gpu/bench_seed.py CASE [--out DIR] [--label CODE]   CASE: shape:tie:ckpt:compile[:budget[:offload]]
+    python bench/gpu/bench_seed.py CASE [--out DIR] [--label CODE] [--profile NAME]
+    CASE: shape:tie:ckpt:compile[:budget[:offload[:reshard]]]
     e.g. qwen3-4b:tied:ckpt:compile   qwen3-4b:untied:nockpt:eager   qwen2.5-7b:-:ckpt:compile:18432:optimizer
+    ckpt: ckpt | nockpt | keepattn (checkpointing that keeps the attention outputs:
+          model.gradient_checkpointing_keep_attention)
     offload: - (none) | optimizer (learner.optimizer_offload: the AdamW state on the GPU for the step only)
+    reshard: - (the learner's default) | reshard (learner.reshard_after_forward=true) | keep (false)
 
 Random-init models of each shape (rayrl.models.make_model, built on the GPU, Qwen's tokenizer) train on 4 sequences
 of 2,048 prompt + 14,336 response tokens (random tokens, advantages +-1) in packed rows of at most `budget` tokens
@@ -24,6 +28,7 @@ import traceback
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_engine
 from bench_engine import train_throughput  # the same FLOP count and timing as the 0.5B learner part
 
 SEED_LENGTHS = "2048+14336," * 3 + "2048+14336"
@@ -48,12 +53,14 @@ def main() -> int:
     ap.add_argument("--out", default=".")
     ap.add_argument("--label", default="HEAD")
     ap.add_argument("--lengths", default=SEED_LENGTHS, help="prompt+response,...: other lengths (a CPU smoke run)")
+    ap.add_argument("--profile", default="", help="one more step under the profiler: OUT/NAME.json.gz and OUT/NAME")
     args = ap.parse_args()
     lengths = [sum(map(int, x.split("+"))) for x in args.lengths.split(",")]
     prompt = int(args.lengths.split(",")[0].split("+")[0])
     shape, tie, ckpt, kind, *rest = args.case.split(":")
     budget = int(rest[0]) if rest else 18432
     offload = rest[1] if len(rest) > 1 else "-"
+    reshard = rest[2] if len(rest) > 2 else "-"
     from rayrl.config import load_config
     from rayrl.learner import Learner
 
@@ -61,18 +68,22 @@ def main() -> int:
     gpu = int(torch.cuda.is_available())
     cfg = load_config(None, [f"model.path={path}", "model.dtype=bfloat16", f"learner.gpus_per_worker={gpu}",
                              "learner.lr=1e-6", "learner.pack=true", f"learner.max_tokens_per_micro_batch={budget}",
-                             f"learner.compile={kind == 'compile'}", f"model.gradient_checkpointing={ckpt == 'ckpt'}",
+                             f"learner.compile={kind == 'compile'}", f"model.gradient_checkpointing={ckpt != 'nockpt'}",
                              f"data.max_prompt_length={prompt}", f"rollout.max_response_length={lengths[0] - prompt}",
                              f"engine.max_model_len={lengths[0]}",
-                             f"learner.optimizer_offload={offload == 'optimizer'}"],
+                             f"learner.optimizer_offload={offload == 'optimizer'}",
+                             # only when asked: an older rayrl (seed_bench.sh's old=) has neither field
+                             *(["model.gradient_checkpointing_keep_attention=true"] if ckpt == "keepattn" else []),
+                             *([f"learner.reshard_after_forward={reshard == 'reshard'}"] if reshard != "-" else [])],
                       check_files=False)
-    rec = {"case": args.case, "code": args.label, "shape": shape, "tie": tie, "ckpt": ckpt == "ckpt",
-           "compile": kind == "compile", "budget": budget, "lengths": lengths, "offload": offload}
+    rec = {"case": args.case, "code": args.label, "shape": shape, "tie": tie, "ckpt": ckpt,
+           "compile": kind == "compile", "budget": budget, "lengths": lengths, "offload": offload, "reshard": reshard}
     try:
         ln = Learner(path, cfg)
         rec["params"] = ln.setup()
         rec["tied_after_setup"] = ln.model.lm_head.weight is ln.model.model.embed_tokens.weight
-        rec.update(train_throughput(ln, lengths, prompt, 151_643))
+        bench_engine.OUT = args.out  # where profile_step writes
+        rec.update(train_throughput(ln, lengths, prompt, 151_643, profile=args.profile))
     except torch.OutOfMemoryError as e:
         rec.update(error="out of memory", peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30,
                    where=traceback.format_exc().strip().splitlines()[-3:], detail=str(e)[:300])
