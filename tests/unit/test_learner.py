@@ -144,3 +144,49 @@ def test_compiled_learner_matches_eager(tiny_model):
     assert np.allclose(lp1[0] + lp1[1], clp1[0] + clp1[1], atol=1e-4)
     assert not np.allclose(lp0[0], lp1[0], atol=1e-3)  # the step moved the weights, in both
     assert counters["stats"]["unique_graphs"] >= 3  # a decoder layer's forward and both log-prob kernels compiled
+
+
+def test_warm_up_compiles_what_the_first_step_needs(tiny_model):
+    """learner.compile's warm-up (run beside the first rollout): afterwards a real step compiles nothing new, and the
+    warm-up changed nothing: the step equals a learner's without it."""
+    from torch._dynamo.utils import counters
+
+    from rayrl.learner import Learner
+
+    # three micro-batches of 7, 5 and 5 tokens: sizes the warm-up's synthetic batches do not have
+    batch = TrainBatch(prompt_ids=[[1, 2, 3, 4], [5, 6, 7], [8, 9]], response_ids=[[8, 9, 10], [11, 12], [13, 14, 15]],
+                       loss_mask=[[1, 1, 1], [1, 0], [1, 1, 1]], advantages=[[1.0] * 3, [-1.0] * 2, [0.5] * 3],
+                       global_tokens=7, global_seqs=3)
+    out, compiled_in_step = {}, {}
+    for warm in (False, True):
+        torch_reset()
+        cfg = load_config(None, ["learner.lr=1e-2", "learner.max_tokens_per_micro_batch=7", "learner.compile=true"],
+                          check_files=False)
+        ln = Learner(tiny_model, cfg)
+        ln.setup()
+        try:
+            if warm:
+                assert ln.warm_up()["seconds"] > 0
+            before = counters["stats"]["unique_graphs"]
+            stats = ln.train_step(batch)
+            compiled_in_step[warm] = counters["stats"]["unique_graphs"] - before
+            out[warm] = (stats.loss, stats.grad_norm, ln.compute_logprobs(batch))
+        finally:
+            ln.shutdown()
+    assert compiled_in_step[False] >= 3  # without it the step compiles (a layer, the log-prob kernels)
+    assert compiled_in_step[True] == 0
+    (loss, gn, lp), (wloss, wgn, wlp) = out[False], out[True]
+    assert loss == pytest.approx(wloss, abs=1e-6) and gn == pytest.approx(wgn, rel=1e-5)
+    for a, b in zip(lp, wlp, strict=True):
+        assert np.allclose(a, b, atol=1e-5)
+
+
+def torch_reset():
+    """A fresh torch.compile cache: each learner in a test compiles from nothing, as a new actor process does."""
+    import torch
+
+    torch._dynamo.reset()
+
+
+def test_warm_up_is_nothing_without_compile(learner):
+    assert learner.warm_up() == {}
