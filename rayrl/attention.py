@@ -11,6 +11,7 @@ kernel is not. Sequence parallelism (rayrl.ulysses) wraps it in its all-to-all, 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 
@@ -105,10 +106,16 @@ def _flash(q, k, v, cu, longest: int, scale: float | None, gqa: bool) -> torch.T
 
 
 def _reference(q, k, v, cu, scale: float | None) -> torch.Tensor:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
     bounds = cu.tolist()
-    return torch.cat([F.scaled_dot_product_attention(*(t[s:e].transpose(0, 1) for t in (q, k, v)), is_causal=True,
-                                                     scale=scale).transpose(0, 1)
-                      for s, e in zip(bounds[:-1], bounds[1:], strict=True)])
+    # On CPU the fused flash kernel (it takes 4-d inputs; sdpa picked its unfused math): one attention op per sequence,
+    # which checkpointing can keep (model.gradient_checkpointing_keep_attention, rayrl.recompute), as on the GPU
+    cpu = q.device.type == "cpu"
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]) if cpu else contextlib.nullcontext():
+        return torch.cat([F.scaled_dot_product_attention(*(t[s:e].transpose(0, 1)[None] for t in (q, k, v)),
+                                                         is_causal=True, scale=scale)[0].transpose(0, 1)
+                          for s, e in zip(bounds[:-1], bounds[1:], strict=True)])
 
 
 def _no_mask(*args, **kwargs) -> None:

@@ -91,6 +91,8 @@ def mqa_model(tiny_model, tmp_path_factory) -> str:
 @pytest.mark.parametrize(("which", "overrides"), [
     ("tiny_model", ["algo.entropy_coeff=0.01", "algo.use_kl_loss=true", "algo.kl_loss_coef=0.5"]),
     ("mqa_model", ["algo.loss_agg_mode=seq-mean-token-mean", "rollout.temperature=0.7"]),
+    # checkpointed layers that keep the attention's outputs: the all-to-all around it recomputed, the kernel not
+    ("tiny_model", ["model.gradient_checkpointing=true", "model.gradient_checkpointing_keep_attention=true"]),
 ])
 def test_two_ranks_equal_one(which, overrides, request, tmp_path):
     model = request.getfixturevalue(which)
