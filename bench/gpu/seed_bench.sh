@@ -6,6 +6,9 @@ set -uo pipefail
 out=$1; shift; mkdir -p "$out"
 here=$(cd "$(dirname "$0")" && pwd)
 source "$here/env.sh"
+# the caching allocator's fragmentation alone ran the 4B shape out of an 80 GB card (results/2026-12-05c/seed_oom);
+# the H200 runs of 2026-12-03 ran without it
+export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 for x in .gpu-bundles/extra/*.whl; do [ -e "$x" ] && python3 -m pip install -q --no-index --no-deps --target /tmp/site "$x"; done
 for case in "$@"; do
   if [[ $case == old=* ]]; then
