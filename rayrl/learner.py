@@ -252,11 +252,11 @@ class Learner:
         """With learner.compile: compile the decoder layers and the log-prob kernels before the first step, so the
         first train_step does not (21.6 s of the first step's 32.8 s in a 135M-model ReTool job on an H100 host:
         BENCHMARKS.md). Small synthetic micro-batches that differ in every size that varies (tokens, sequences,
-        the longest sequence) run forward and backward as train_step's do, so the dynamic graphs a real batch uses
-        are the ones compiled here; their gradients are dropped and no optimizer step is taken, so the weights and
-        the optimizer state do not change. All ranks call it together; rayrl.cluster.start queues it right after the
-        setup, so it runs while the engines load. A failure here is only logged: the first step then compiles as it
-        always did. Returns its seconds."""
+        the longest sequence) run forward and backward as train_step's do, and forward as compute_logprobs' do, so
+        the dynamic graphs a real batch uses are the ones compiled here; their gradients are dropped and no
+        optimizer step is taken, so the weights and the optimizer state do not change. All ranks call it together;
+        rayrl.cluster.start queues it right after the setup, so it runs while the engines load. A failure here is
+        only logged: the first step then compiles as it always did. Returns its seconds."""
         if not self.compiled:
             return {}
         t0 = time.perf_counter()
@@ -268,13 +268,18 @@ class Learner:
                            response_ids=[s[p:] for s, (p, _) in zip(ids, shapes, strict=True)],
                            loss_mask=[[1] * r for _, r in shapes], advantages=[[1.0] * r for _, r in shapes],
                            global_tokens=sum(r for _, r in shapes), global_seqs=len(shapes))
-        self.model.train()
+        rows = ([0, 1], [2, 3, 4], [5])
         try:
-            for idx in ([0, 1], [2, 3, 4], [5]):
+            self.model.train()
+            for idx in rows:
                 self._accumulate_locally(False)
                 lp, mask, _, ent = self._logprobs(batch, idx, entropy=True)
                 # the entropy in the loss as train_step has it (only with algo.entropy_coeff): the same backward
                 ((lp + ent if self.cfg.algo.entropy_coeff else lp) * mask).sum().backward()
+            self.model.eval()  # compute_logprobs' graphs (old log-probs of steps with several updates)
+            with torch.no_grad():
+                for idx in rows:
+                    self._logprobs(batch, idx)
         except Exception as e:  # noqa: BLE001 - the first train_step compiles instead (and raises, if it must)
             print(f"learner rank {self.rank}: warm-up failed, the first step compiles instead: {e!r}")  # noqa: T201
             return {"error": repr(e)}

@@ -147,8 +147,8 @@ def test_compiled_learner_matches_eager(tiny_model):
 
 
 def test_warm_up_compiles_what_the_first_step_needs(tiny_model):
-    """learner.compile's warm-up (run beside the first rollout): afterwards a real step compiles nothing new, and the
-    warm-up changed nothing: the step equals a learner's without it."""
+    """learner.compile's warm-up (run while the engines load): afterwards a real step and a log-prob pass compile
+    nothing new, and the warm-up changed nothing: the step equals a learner's without it."""
     from torch._dynamo.utils import counters
 
     from rayrl.learner import Learner
@@ -169,8 +169,9 @@ def test_warm_up_compiles_what_the_first_step_needs(tiny_model):
                 assert ln.warm_up()["seconds"] > 0
             before = counters["stats"]["unique_graphs"]
             stats = ln.train_step(batch)
+            logprobs = ln.compute_logprobs(batch)  # the old log-probs' pass (no gradients, eval mode)
             compiled_in_step[warm] = counters["stats"]["unique_graphs"] - before
-            out[warm] = (stats.loss, stats.grad_norm, ln.compute_logprobs(batch))
+            out[warm] = (stats.loss, stats.grad_norm, logprobs)
         finally:
             ln.shutdown()
     assert compiled_in_step[False] >= 3  # without it the step compiles (a layer, the log-prob kernels)
