@@ -230,12 +230,7 @@ def start(cfg: Config, model_path: str) -> Actors:
             starts = [eng.sleep.remote(1) for eng in engines]
             _get(starts, timeout=e.sync_timeout + 60)
         addr, port = ray.get(learners[0].address.remote(), timeout=120)
-        setups = [ln.setup.remote(addr, port) for ln in learners]
-        # learner.compile: each rank compiles right after its setup (Learner.warm_up), while the engines still load,
-        # not in the first step (21.6 s of its 32.8 s on an H100 host); later calls to a rank queue behind it
-        for ln in learners:
-            ln.warm_up.remote()
-        _get(setups + starts, timeout=e.sync_timeout + 600)
+        _get([ln.setup.remote(addr, port) for ln in learners] + starts, timeout=e.sync_timeout + 600)
         actors.weight_sync = weight_sync.connect(cfg, learners, engines)  # + its setup (broadcast: the group)
         url = ray.get(listening, timeout=120)
         actors.gateway_port = int(url.rpartition(":")[2]) if cfg.gateway.enabled else None

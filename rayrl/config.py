@@ -194,8 +194,8 @@ class LearnerConfig:
     sequence_parallel: int = 1
     # torch.compile each decoder layer's forward and the log-prob kernels (fuses norms, rotary, activations and the
     # fp32 log-softmax; the token count becomes symbolic after the first micro-batch; ~15-50 s of compiling, done
-    # while the engines load: Learner.warm_up). None = on for GPU learners (1.5x the eager tokens/s on an H200), off
-    # on CPU (compile time outweighs the gain)
+    # beside the first rollout unless the learners give their GPU memory away between steps: Learner.warm_up).
+    # None = on for GPU learners (1.5x the eager tokens/s on an H200), off on CPU (compile time outweighs the gain)
     compile: bool | None = None
     # FSDP2: free each layer's gathered bf16 weights after its forward and gather them again for its backward (verl's
     # fsdp_config.reshard_after_forward). None = only with several ranks; true on one rank frees 2 bytes a parameter

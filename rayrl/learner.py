@@ -251,18 +251,25 @@ class Learner:
     def warm_up(self) -> dict[str, float | str]:
         """With learner.compile: compile the decoder layers and the log-prob kernels before the first step, so the
         first train_step does not (21.6 s of the first step's 32.8 s in a 135M-model ReTool job on an H100 host:
-        BENCHMARKS.md). Small synthetic micro-batches that differ in every size that varies (tokens, sequences,
+        BENCHMARKS.md). Synthetic micro-batches that differ in every size that varies (tokens, sequences,
         the longest sequence) run forward and backward as train_step's do, and forward as compute_logprobs' do, so
         the dynamic graphs a real batch uses are the ones compiled here; their gradients are dropped and no
         optimizer step is taken, so the weights and the optimizer state do not change. All ranks call it together;
-        rayrl.cluster.start queues it right after the setup, so it runs while the engines load. A failure here is
-        only logged: the first step then compiles as it always did. Returns its seconds."""
+        the driver (rayrl.train) starts it beside the first rollout where the learners keep their GPU memory between
+        steps (not during the engines' start: vLLM would count the learner's memory against its KV cache). A failure
+        here is only logged: the first step then compiles as it always did. Returns its seconds."""
         if not self.compiled:
             return {}
         t0 = time.perf_counter()
         vocab = min(self.model.config.vocab_size, 1000)
-        # (prompt, response) tokens; rows [0, 1], [2, 3, 4] and [5] (one sequence: no mask where sdpa masks a row)
-        shapes = [(24, 16), (16, 24), (20, 30), (12, 18), (8, 8), (10, 12)]
+        # The row that makes the sizes dynamic is as long as a real micro-batch: inductor picks its kernels' configs
+        # for the sizes of that compile. (prompt, response) tokens of rows [0, 1] (small), [2, 3, 4] (a micro-batch's
+        # tokens) and [5] (one sequence: no mask where sdpa masks a row)
+        lc, n = self.cfg.learner, self.cfg.data.max_prompt_length + self.cfg.rollout.max_response_length
+        full = lc.max_tokens_per_micro_batch or lc.micro_batch_size * n
+        third = max(full // 3, 4)
+        shapes = [(24, 16), (16, 24), *[(third // 2, third - third // 2)] * 2, (third // 3, third - third // 3),
+                  (10, 12)]
         ids = [[(7 * i + j) % (vocab - 1) + 1 for j in range(p + r)] for i, (p, r) in enumerate(shapes)]
         batch = TrainBatch(prompt_ids=[s[:p] for s, (p, _) in zip(ids, shapes, strict=True)],
                            response_ids=[s[p:] for s, (p, _) in zip(ids, shapes, strict=True)],
@@ -276,9 +283,9 @@ class Learner:
                 lp, mask, _, ent = self._logprobs(batch, idx, entropy=True)
                 # the entropy in the loss as train_step has it (only with algo.entropy_coeff): the same backward
                 ((lp + ent if self.cfg.algo.entropy_coeff else lp) * mask).sum().backward()
-            self.model.eval()  # compute_logprobs' graphs (old log-probs of steps with several updates)
-            with torch.no_grad():
-                for idx in rows:
+            self.model.eval()  # compute_logprobs' graphs (old log-probs of steps with several updates), dynamic
+            with torch.no_grad():  # from their first compile: the long row first
+                for idx in (rows[1], rows[0], rows[2]):
                     self._logprobs(batch, idx)
         except Exception as e:  # noqa: BLE001 - the first train_step compiles instead (and raises, if it must)
             print(f"learner rank {self.rank}: warm-up failed, the first step compiles instead: {e!r}")  # noqa: T201
