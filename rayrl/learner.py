@@ -255,9 +255,10 @@ class Learner:
         the longest sequence) run forward and backward as train_step's do, and forward as compute_logprobs' do, so
         the dynamic graphs a real batch uses are the ones compiled here; their gradients are dropped and no
         optimizer step is taken, so the weights and the optimizer state do not change. All ranks call it together;
-        the driver (rayrl.train) starts it beside the first rollout where the learners keep their GPU memory between
-        steps (not during the engines' start: vLLM would count the learner's memory against its KV cache). A failure
-        here is only logged: the first step then compiles as it always did. Returns its seconds."""
+        the driver (rayrl.train) starts it beside the first rollout where GPU learners keep their memory between
+        steps (not during the engines' start: vLLM would count the learner's memory against its KV cache; not on
+        CPU, where the compile takes the rollout's cores). A failure here is only logged: the first step then
+        compiles as it always did. Returns its seconds."""
         if not self.compiled:
             return {}
         t0 = time.perf_counter()
