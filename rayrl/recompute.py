@@ -4,7 +4,7 @@ Each layer keeps only its input for backward and runs its forward again there. W
 `model.gradient_checkpointing_keep_attention` it also keeps the attention kernel's outputs (the attention output and
 its log-sum-exp; torch's selective activation checkpointing), so backward recomputes the layer's projections, norms
 and MLP but not the attention itself. At the seed lengths (16k-token sequences) the causal attention forward is about
-a third of a layer's forward FLOPs, and its output is one [tokens x heads x head_dim] bf16 tensor per layer
+40% of a Qwen3-4B layer's forward FLOPs, and its output is one [tokens x heads x head_dim] bf16 tensor per layer
 (Megatron-LM's "selective recompute" keeps the layer and recomputes the attention core; here the trade goes the
 other way because long-sequence attention is the expensive, small-output part).
 
