@@ -2,13 +2,15 @@
 of the rollout to the first train_step (advantages, shards) and from the last train_step to the weight sync
 (rollout_correction's metrics, the step's bookkeeping). Work the driver does while the engines wait. Also, per
 step, seconds from the rollout's start to its first trajectory's (how long the step waited for episodes to begin;
-negative where an async run began them during the step before).
+negative where an async run began them during the step before), and the median seconds of its episodes' LLM calls
+and sandbox runs (the first step's show what a cold engine and cold sandboxes cost).
 
     python bench/gpu/driver_gaps.py RUN_DIR/trace.json[.gz] [...]
 """
 
 from __future__ import annotations
 
+import statistics
 import sys
 
 from rayrl.trace import events
@@ -35,6 +37,15 @@ def gaps(path: str) -> list[tuple[int, float, float, float | None]]:
     return out
 
 
+def call_medians(path: str, names: tuple[str, ...] = ("llm", "sandbox")) -> dict[int, dict[str, float]]:
+    """Per step (a trace's pid): the median duration in seconds of each kind of call its episodes made."""
+    durations: dict[int, dict[str, list[float]]] = {}
+    for e in events(path):
+        if e.get("ph") == "X" and e["name"] in names:
+            durations.setdefault(e["pid"], {}).setdefault(e["name"], []).append(e["dur"] / 1e6)
+    return {step: {name: statistics.median(d) for name, d in kinds.items()} for step, kinds in durations.items()}
+
+
 if __name__ == "__main__":
     for path in sys.argv[1:]:
         rows = gaps(path)
@@ -43,6 +54,10 @@ if __name__ == "__main__":
               + " ".join(f"{s}:{b:.2f}/{a:.2f}" for s, b, a, _ in rows))
         print("  rollout->first trajectory s per step: "
               + " ".join(f"{s}:{'-' if f is None else format(f, '.2f')}" for s, _, _, f in rows))
+        medians = call_medians(path)
+        for name in ("llm", "sandbox"):
+            print(f"  median {name} call s per step: "
+                  + " ".join(f"{s}:{m[name]:.2f}" for s, m in sorted(medians.items()) if name in m))
         if mid:
             print(f"  steps 2..{rows[-2][0]}: mean {sum(r[1] for r in mid) / len(mid):.3f} / "
                   f"{sum(r[2] for r in mid) / len(mid):.3f} s, max {max(r[1] for r in mid):.2f} / "
