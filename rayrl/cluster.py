@@ -211,9 +211,9 @@ def start(cfg: Config, model_path: str) -> Actors:
         # their weights are kept for the first wake) while the learners load.
         starts = [eng.start.remote() for eng in engines]
         # Meanwhile the Gateway (it finds the engines by name) and the rollout workers, whose processes take seconds
-        # to start (created after the load, 8 of them on a 16-core GPU host, the first trajectory began 8.9 s into
-        # step 1: bench/gpu/results/2026-12-05b); a worker only leases tasks, and the driver puts none in the queue
-        # before the start returns.
+        # to start (8 of them on a 16-core GPU host: created after the load, the first trajectory began 8.9 s into
+        # step 1; created here, 0.8 s: bench/gpu/results/2026-12-05b and -05c); a worker only leases tasks, and the
+        # driver puts none in the queue before the start returns.
         # The Gateway runs on the driver's node (the head under `ray job submit`): its URL is what agent services use.
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         actors.gateway = GatewayActor.options(name="rayrl/gateway", num_cpus=0, max_concurrency=10000, **_env(),

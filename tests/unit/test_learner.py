@@ -147,8 +147,9 @@ def test_compiled_learner_matches_eager(tiny_model):
 
 
 def test_warm_up_compiles_what_the_first_step_needs(tiny_model):
-    """learner.compile's warm-up (run while the engines load): afterwards a real step and a log-prob pass compile
+    """learner.compile's warm-up (run beside the first rollout): afterwards a real step and a log-prob pass compile
     nothing new, and the warm-up changed nothing: the step equals a learner's without it."""
+    import torch
     from torch._dynamo.utils import counters
 
     from rayrl.learner import Learner
@@ -159,7 +160,7 @@ def test_warm_up_compiles_what_the_first_step_needs(tiny_model):
                        global_tokens=7, global_seqs=3)
     out, compiled_in_step = {}, {}
     for warm in (False, True):
-        torch_reset()
+        torch._dynamo.reset()  # each learner compiles from nothing, as a new actor process does
         cfg = load_config(None, ["learner.lr=1e-2", "learner.max_tokens_per_micro_batch=7", "learner.compile=true"],
                           check_files=False)
         ln = Learner(tiny_model, cfg)
@@ -180,13 +181,6 @@ def test_warm_up_compiles_what_the_first_step_needs(tiny_model):
     assert loss == pytest.approx(wloss, abs=1e-6) and gn == pytest.approx(wgn, rel=1e-5)
     for a, b in zip(lp, wlp, strict=True):
         assert np.allclose(a, b, atol=1e-5)
-
-
-def torch_reset():
-    """A fresh torch.compile cache: each learner in a test compiles from nothing, as a new actor process does."""
-    import torch
-
-    torch._dynamo.reset()
 
 
 def test_warm_up_is_nothing_without_compile(learner):

@@ -62,7 +62,6 @@ def _step(model: str, overrides: list[str]) -> dict:
     try:
         torch.Tensor.backward = counted
         stats = ln.train_step(BATCH)
-        torch.Tensor.backward = backward
         return {"loss": stats.loss, "grad_norm": stats.grad_norm, "logprobs": ln.compute_logprobs(BATCH),
                 "calls": calls}
     finally:
