@@ -18,6 +18,7 @@ import collections
 import itertools
 import time
 import traceback
+import zlib
 
 import httpx
 import ray
@@ -229,12 +230,12 @@ class Rollout:
                                 timings={"agent": t_agent - t0, "reward": time.perf_counter() - t_agent})
 
     def _client(self):
-        """One HTTP connection pool per worker (per event loop), shared by its episodes' clients."""
+        """One HTTP client per worker (per event loop), shared by its episodes' clients, over a few connection
+        pools (`ShardedTransport`)."""
         loop = asyncio.get_running_loop()
         if self._http is None or self._http_loop is not loop:
             g = self.cfg.gateway
-            limits = httpx.Limits(max_connections=None, max_keepalive_connections=2 * self.cfg.rollout.concurrency)
-            self._waits = WaitingSessions(httpx.AsyncHTTPTransport(limits=limits) if g.enabled
+            self._waits = WaitingSessions(ShardedTransport(self.cfg.rollout.concurrency) if g.enabled
                                           else RayTransport(self.gateway))
             self._http = httpx.AsyncClient(transport=self._waits, timeout=g.request_timeout)
             self._http_loop = loop
@@ -311,6 +312,35 @@ class WaitingSessions(httpx.AsyncBaseTransport):
 
     async def aclose(self) -> None:
         await self.inner.aclose()
+
+
+class ShardedTransport(httpx.AsyncBaseTransport):
+    """HTTP to the Gateway over one connection pool per SESSIONS_PER_POOL episodes in flight, a session's calls
+    always through the same pool. httpcore looks at every connection of a pool each time a request starts or ends,
+    so one pool for all of a worker's episodes costs it CPU per LLM call that grows with the episodes in flight
+    (bench/gateway_http.py, BENCHMARKS.md)."""
+
+    def __init__(self, concurrency: int, sessions_per_pool: int | None = None):
+        per = sessions_per_pool or SESSIONS_PER_POOL
+        n = max(1, -(-concurrency // per))
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=2 * per)
+        self.pools = [httpx.AsyncHTTPTransport(limits=limits) for _ in range(n)]
+        self._next = itertools.count()
+
+    def pool(self, request: httpx.Request) -> httpx.AsyncHTTPTransport:
+        parts = request.url.path.split("/")  # /sessions/<sid>/v1/...: by session; anything else in turn
+        key = zlib.crc32(parts[2].encode()) if len(parts) > 2 and parts[1] == "sessions" else next(self._next)
+        return self.pools[key % len(self.pools)]
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        return await self.pool(request).handle_async_request(request)
+
+    async def aclose(self) -> None:
+        for p in self.pools:
+            await p.aclose()
+
+
+SESSIONS_PER_POOL = 8  # episodes whose LLM calls share one connection pool (ShardedTransport)
 
 
 class RayTransport(httpx.AsyncBaseTransport):
