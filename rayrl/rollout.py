@@ -160,7 +160,7 @@ class Rollout:
     async def run_task(self, task: Task) -> Trajectory:
         """One episode. Its own failures (the agent's, the reward's) come back as a Trajectory with `error` set; it
         raises InfraError when an actor it needs died or did not answer (the task is then run again)."""
-        t0 = time.perf_counter()
+        t0, w0 = time.perf_counter(), time.time()
         r = self.cfg.rollout
         last_user = next((m.get("content") for m in reversed(task.messages) if m.get("role") == "user"), None)
         try:
@@ -169,6 +169,8 @@ class Rollout:
                 match=last_user if isinstance(last_user, str) and last_user else None, **task.sampling), 60)
         except Exception as e:  # the gateway died, hung or is not listening yet
             raise InfraError("gateway", _describe(e)) from e
+        # the Gateway's session calls as trace spans: the episode's span starts with the first (rayrl.trace)
+        spans = [{"name": "gateway:open", "start": w0, "end": time.time()}]
         gw = self.cfg.gateway
         llm = session_client(base_url, key, gw.model_name, gw.request_timeout, self._client())
         self.episodes += 1
@@ -189,10 +191,12 @@ class Rollout:
             role = infra_role(e)
             infra = None if role is None else InfraError(role, error)
         self._waits.cut.pop(sid, None)
+        w1 = time.time()
         try:
             rec: SessionRecord = await asyncio.wait_for(self.gateway.close_session.remote(sid), 60)
         except Exception as e:  # the gateway died or hung (its sessions are gone with it)
             raise InfraError("gateway", _describe(e)) from e
+        spans.append({"name": "gateway:close", "start": w1, "end": time.time()})
         if infra is not None:
             raise infra
         if rec.policy_version is not None and rec.policy_version < task.policy_version:
@@ -201,7 +205,7 @@ class Rollout:
                                        f"{task.policy_version}: a restarted engine without the current weights")
         if error is not None:
             if not ran_out(rec):
-                return self._trajectory(task, rec, error=error, t0=t0)
+                return self._trajectory(task, rec, error=error, t0=t0, spans=spans)
             # Over-long: the budget ran out mid-episode and the refused call raised in the agent. verl trains such a
             # response truncated at max_response_length and scores it: here, as an episode that gave no answer.
             out = {"answer": "", "metadata": {"truncated": error}}
@@ -226,7 +230,7 @@ class Rollout:
         if rec.parse_errors:
             metadata.setdefault("tool_parse_errors", rec.parse_errors)
         return self._trajectory(task, rec, reward=reward, error=error, answer=out.get("answer"),
-                                metadata=metadata, t0=t0,
+                                metadata=metadata, t0=t0, spans=spans,
                                 timings={"agent": t_agent - t0, "reward": time.perf_counter() - t_agent})
 
     def _client(self):
@@ -249,7 +253,7 @@ class Rollout:
         return res.score, res.error
 
     def _trajectory(self, task: Task, s: SessionRecord, t0: float, error: str | None = None, reward=None, answer=None,
-                    metadata=None, timings=None) -> Trajectory:
+                    metadata=None, timings=None, spans=()) -> Trajectory:
         timings = {**(timings or {}), **self._lag_since(t0)}
         timings["total"] = time.perf_counter() - t0
         # one trace span per engine call (rayrl.trace), from the Gateway's record
@@ -259,6 +263,7 @@ class Rollout:
         # the agent's own spans (tool calls, sandbox runs) and the reward's; the Gateway's record has the LLM calls
         events += [e for e in (metadata or {}).pop("events", []) if isinstance(e, dict) and e.get("name") != "llm"
                    and isinstance(e.get("start"), float) and isinstance(e.get("end"), float)]
+        events += spans
         return Trajectory(task_id=task.task_id, group_id=task.group_id, step=task.step, data_source=task.data_source,
                           prompt_ids=s.prompt_ids, response_ids=s.response_ids, loss_mask=s.loss_mask,
                           logprobs=s.logprobs, versions=s.versions, reward=None if reward is None else float(reward),

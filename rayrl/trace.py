@@ -14,9 +14,10 @@ whole run at the end.
 
 Trajectory timing: a Trajectory carries durations (`timings`: agent, reward, total) and, when the
 rollout side records them, `events` with absolute times (see rayrl.types.Trajectory.events). With
-events, the trajectory's span starts at its first event and lasts `timings["total"]` (the reward
-is drawn at its end); without, it ends when the driver received it (up to one poll later than it
-finished) and starts `timings["total"]` seconds before that.
+events, the trajectory's span starts at its first event (a rollout worker's first is the Gateway's
+`gateway:open`, at the episode's start) and lasts `timings["total"]` (the reward is drawn at its
+end); without, it ends when the driver received it (up to one poll later than it finished) and
+starts `timings["total"]` seconds before that.
 """
 
 from __future__ import annotations

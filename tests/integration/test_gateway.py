@@ -336,8 +336,12 @@ def test_task_sampling_sets_the_session_defaults(gw, tiny_model):
             traj = asyncio.run(worker.run_task(task))
             assert traj.error is None, traj.error
             out.append(tuple(traj.response_ids))
-            # the agent's own spans reach the trace; its "llm" span is dropped for the Gateway's exact one
-            assert [e["name"] for e in traj.events] == ["llm", "tool:lookup"] and "events" not in traj.metadata
+            # the agent's own spans reach the trace; its "llm" span is dropped for the Gateway's exact one; the
+            # worker's session calls bracket the episode
+            names = [e["name"] for e in traj.events]
+            assert names == ["llm", "tool:lookup", "gateway:open", "gateway:close"] and "events" not in traj.metadata
+            ev = {e["name"]: e for e in traj.events}
+            assert ev["gateway:open"]["end"] <= ev["llm"]["start"] and ev["llm"]["end"] <= ev["gateway:close"]["start"]
         return out
 
     # top_p this small keeps only the most likely token: greedy even where the random model's logits nearly tie
