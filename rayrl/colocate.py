@@ -25,6 +25,16 @@ def sleeping(cfg: Config) -> bool:
     return cfg.engine.sleep_level > 0
 
 
+def warm_up_beside_rollout(cfg: Config) -> bool:
+    """Whether the driver starts the learners' compile (`Learner.warm_up`) beside the first rollout: compiled GPU
+    learners that keep their memory between steps. Not beside sleeping engines or with offloaded parameters (the
+    learner's GPU memory belongs to the engine while it generates), not on CPU (the compile takes the rollout's
+    cores: 120.7 s against 51.5 s for a first step on 2 cores)."""
+    lc = cfg.learner
+    compiled = lc.compile is not False  # None: on for GPU learners
+    return compiled and lc.gpus_per_worker > 0 and not (sleeping(cfg) or lc.param_offload)
+
+
 def _free_gib(actors, timeout: float) -> float:
     return ray.get(actors.learners[0].memory.remote(), timeout=timeout).get("free_gib", 0.0)
 

@@ -70,7 +70,7 @@ def train(cfg: Config) -> dict:
             step, version = resume(cfg, actors, data)
             # a resumed run's weights reach the engines (sleeping engines wake with them; learners offload)
             colocate.to_rollout(cfg, actors, lambda: sync_weights(cfg, actors, version) if step else 0.0)
-            if cfg.learner.gpus_per_worker > 0 and not (colocate.sleeping(cfg) or cfg.learner.param_offload):
+            if colocate.warm_up_beside_rollout(cfg):
                 for ln in actors.learners:  # learner.compile compiles beside the first rollout (Learner.warm_up),
                     ln.warm_up.remote()     # not in the first step; the first train_step queues behind it
         log = StepLogger(t.output_dir, t.logger, t.total_steps, step, cfg.to_dict(), t.experiment_name,

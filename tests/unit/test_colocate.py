@@ -92,6 +92,22 @@ def test_one_gpu_job_is_colocated_with_sleep_and_offload():
     assert cfg.learner.param_offload and cfg.learner.optimizer_offload
 
 
+@pytest.mark.parametrize("overrides,beside", [
+    ([], False),  # the default job: CPU learners
+    (["learner.gpus_per_worker=1"], True),  # compile None: on for GPU learners
+    (["learner.gpus_per_worker=1", "learner.compile=false"], False),
+    (["learner.gpus_per_worker=1", "learner.param_offload=true"], False),
+    (["learner.gpus_per_worker=0.5", "engine.gpus_per_engine=0.5", "engine.sleep_level=1"], False),
+])
+def test_learner_warm_up_runs_beside_the_first_rollout_only_where_it_keeps_its_gpu(overrides, beside):
+    from rayrl.colocate import warm_up_beside_rollout
+
+    assert warm_up_beside_rollout(load_config(None, overrides, check_files=False)) is beside
+    jobs = {"retool_qwen3_4b_1gpu.yaml": False, "retool_qwen3_4b_e2b.yaml": False}  # sleeping engines
+    for job, expected in jobs.items():
+        assert warm_up_beside_rollout(load_config(os.path.join(ROOT, "jobs", job), [], check_files=False)) is expected
+
+
 def qwen25_7b_shapes() -> list[tuple[int, ...]]:
     """Qwen2.5-7B's parameter shapes (untied lm_head, q/k/v biases): 7.62B parameters."""
     h, inter, kv, vocab = 3584, 18944, 512, 152064
