@@ -3,7 +3,8 @@ of the rollout to the first train_step (advantages, shards) and from the last tr
 (rollout_correction's metrics, the step's bookkeeping). Work the driver does while the engines wait. Also, per
 step, seconds from the rollout's start to its first trajectory's (how long the step waited for episodes to begin;
 negative where an async run began them during the step before), and the median seconds of its episodes' LLM calls
-and sandbox runs (the first step's show what a cold engine and cold sandboxes cost).
+and sandbox runs (the first step's show what a cold engine and cold sandboxes cost); and the engine's tokens per
+second against the LLM calls open, with and without a learner step running (`call_rates`).
 
     python bench/gpu/driver_gaps.py RUN_DIR/trace.json[.gz] [...]
 """
@@ -46,6 +47,43 @@ def call_medians(path: str, names: tuple[str, ...] = ("llm", "sandbox")) -> dict
     return {step: {name: statistics.median(d) for name, d in kinds.items()} for step, kinds in durations.items()}
 
 
+BINS = ((1, 50), (50, 100), (100, 200), (200, 300), (300, 400), (400, 1000))
+
+
+def call_rates(path: str, tick: float = 0.05) -> list[tuple[int, int, str, float, float, float]]:
+    """How fast the engine answered against how many LLM calls were open, in steps 2..n-1 (warm, no validation):
+    every `tick` s, the calls open and their tokens per second (each call's completion tokens spread evenly over
+    its span), binned by calls open and split by whether a learner train_step ran then. Rows: (lo, hi, "learner
+    on"/"learner off", seconds, tok/s, tok/s per open call)."""
+    import numpy as np
+
+    evs = [e for e in events(path) if e.get("ph") == "X"]
+    steps = sorted({e["pid"] for e in evs if e.get("tid") == 0 and e["name"] == "rollout"})
+    inner = set(steps[1:-1])
+    calls = [(e["ts"], e["ts"] + e["dur"], (e.get("args") or {}).get("completion_tokens", 0))
+             for e in evs if e["name"] == "llm" and e["pid"] in inner and e["dur"] > 0]
+    train = [(e["ts"], e["ts"] + e["dur"]) for e in evs
+             if e.get("tid") == 0 and e["name"] == "learner/train_step" and e["pid"] in inner]
+    if not calls:
+        return []
+    grid = np.arange(min(a for a, _, _ in calls), max(b for _, b, _ in calls), tick * 1e6)
+    rate, open_ = np.zeros(len(grid)), np.zeros(len(grid))
+    for a, b, n in calls:
+        i, j = np.searchsorted(grid, a), np.searchsorted(grid, b)
+        rate[i:j] += n / ((b - a) / 1e6)
+        open_[i:j] += 1
+    learning = np.zeros(len(grid), bool)
+    for a, b in train:
+        learning[(grid >= a) & (grid < b)] = True
+    rows = []
+    for lo, hi in BINS:
+        for name, mask in (("learner on", learning), ("learner off", ~learning)):
+            m = (open_ >= lo) & (open_ < hi) & mask
+            if m.any():
+                rows.append((lo, hi, name, m.sum() * tick, rate[m].mean(), rate[m].mean() / open_[m].mean()))
+    return rows
+
+
 if __name__ == "__main__":
     for path in sys.argv[1:]:
         rows = gaps(path)
@@ -62,3 +100,6 @@ if __name__ == "__main__":
             print(f"  steps 2..{rows[-2][0]}: mean {sum(r[1] for r in mid) / len(mid):.3f} / "
                   f"{sum(r[2] for r in mid) / len(mid):.3f} s, max {max(r[1] for r in mid):.2f} / "
                   f"{max(r[2] for r in mid):.2f} s")
+        print("  LLM calls open -> tok/s (steps 2..n-1): "
+              + "; ".join(f"{lo}-{hi} {name} {sec:.1f} s: {tps:.0f} tok/s, {per:.1f} per call"
+                          for lo, hi, name, sec, tps, per in call_rates(path)))
