@@ -100,6 +100,13 @@ class EngineConfig:
     # the weights change, and they continue from the tokens already sampled (each token records its policy version);
     # false = the update waits until the running requests finish (new ones wait for it).
     partial_rollout: bool = True
+    # What a weight update does with the KV cache the old weights computed (vLLM). false: recomputed. Requests that a
+    # partial rollout stops continue as new requests over their tokens (prefilled again), and the prefix cache is
+    # cleared, so every token after the update is the new weights' alone. true: kept, as PipelineRL's in-flight update
+    # and SkyRL's `clear_kv_cache_on_weight_sync: false` do. Running requests pause in place and continue over their
+    # old KV; cached prefixes stay; nothing is prefilled again. Tokens after the update are sampled by the new weights
+    # over that KV, and their logprobs are what sampled them, so algo.rollout_correction weighs them like stale tokens.
+    keep_kv_on_sync: bool = False
     # Colocated engines give the GPU to the learner while it trains (verl's hybrid engine; vLLM's sleep mode):
     # 0 = never; 1 = KV cache freed, weights offloaded to CPU memory; 2 = both freed (the next sync reloads them).
     # The engine wakes with the new weights before the next rollout; requests that arrive meanwhile wait.
@@ -520,6 +527,9 @@ def validate(cfg: Config, check_files: bool = True) -> None:
              "learner.max_tokens_per_micro_batch must be >= 0 (0 = count sequences), "
              f"got {lr.max_tokens_per_micro_batch}")
     _require(e.sleep_level in (0, 1, 2), f"engine.sleep_level must be 0, 1 or 2, got {e.sleep_level}")
+    _require(not e.keep_kv_on_sync or (e.backend == "vllm" and not e.sleep_level),
+             f"engine.keep_kv_on_sync needs engine.backend=vllm and engine.sleep_level=0 (got {e.backend!r} and "
+             f"{e.sleep_level}): only a vLLM engine that stays awake holds a KV cache across a weight update")
     if e.sleep_level:
         _require(e.gpus_per_engine > 0 and lr.gpus_per_worker > 0 and e.gpus_per_engine + lr.gpus_per_worker <= 1,
                  f"engine.sleep_level={e.sleep_level} needs engines colocated with the learners (GPU fractions that "

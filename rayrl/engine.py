@@ -47,6 +47,9 @@ class Engine:
         self._open.set()
         self._running: dict[str, str] = {}
         self._preempted: set[str] = set()
+        # engine.keep_kv_on_sync: each backend request an update paused in place -> (tokens sampled before it, the
+        # version after it), one pair per update
+        self._marks: dict[str, list[tuple[int, int]]] = {}
         self.preemptions = 0  # requests an update stopped and continued (partial rollouts)
         # weights in: one receiver per strategy (rayrl/weight_sync/), the driver picks which
         self._receivers: dict[str, weight_sync.Receiver] = {
@@ -90,7 +93,8 @@ class Engine:
                     prompt_ids + ids, replace(sampling, max_tokens=sampling.max_tokens - len(ids)), sub)
             finally:
                 self._running.pop(request_id, None)
-            ids, lps, versions = ids + out, lps + out_lps, versions + [version] * len(out)
+                marks = self._marks.pop(sub, [])
+            ids, lps, versions = ids + out, lps + out_lps, versions + _tag(len(out), version, marks)
             preempted = sub in self._preempted
             self._preempted.discard(sub)
             if not (preempted and finish == "abort") or len(ids) >= sampling.max_tokens:
@@ -140,16 +144,29 @@ class Engine:
         cuda_ipc: its buffer's handle, broadcast: None, the buckets arrive meanwhile). Returns the seconds."""
         t0 = time.perf_counter()
         self._open.clear()  # requests wait for the update from here
+        paused = False
         try:
-            await self._quiesce()
+            paused = await self._quiesce()
             await self._sync(self._receivers[strategy].receive(self._backend, payload), version, f"{strategy} load")
+            if not self.cfg.keep_kv_on_sync:
+                await self._sync(self._backend.clear_kv(), None, "prefix cache reset")
+            if paused:  # each paused request's tokens so far came from the old weights, the rest will be `version`'s
+                for sub in self._running.values():
+                    self._marks.setdefault(sub, []).append((self._backend.sampled(sub), version))
         finally:
+            if paused:
+                await self._sync(self._backend.resume(), None, "resume")
             self._open.set()
         return time.perf_counter() - t0
 
-    async def _quiesce(self) -> None:
+    async def _quiesce(self) -> bool:
         """No request runs on the backend: with engine.partial_rollout each running one stops at a token boundary
-        (it continues after the update); without, they run to their end. Bounded by engine.sync_timeout."""
+        (it continues after the update: paused in place with engine.keep_kv_on_sync, then True is returned; else
+        stopped, to be sent again); without, they run to their end. Bounded by engine.sync_timeout."""
+        if self.cfg.partial_rollout and self._running and self.cfg.keep_kv_on_sync:
+            self.preemptions += len(self._running)
+            await self._sync(self._backend.pause(), None, "pause")
+            return True
         if self.cfg.partial_rollout and self._running:
             self._preempted.update(self._running.values())
             self.preemptions += len(self._running)
@@ -160,6 +177,7 @@ class Engine:
                 raise TimeoutError(f"{self.name}: {len(self._running)} requests still running after "
                                    f"engine.sync_timeout={self.cfg.sync_timeout:g}s; weights not updated")
             await asyncio.sleep(0.005)
+        return False
 
     def weight_workers(self) -> int:
         """Processes that hold a copy of the model (vLLM's workers; hf: this one): each is one rank of the
@@ -262,6 +280,24 @@ class _VLLM:
         await self.llm.pause_generation(mode="abort", clear_cache=True)
         await self.llm.resume_generation()
 
+    async def pause(self) -> None:
+        """Freeze every running request in place, its KV cache kept (engine.keep_kv_on_sync), until resume()."""
+        await self.llm.pause_generation(mode="keep", clear_cache=False)
+
+    async def resume(self) -> None:
+        await self.llm.resume_generation()
+
+    def sampled(self, request_id: str) -> int:
+        """Tokens a running request has sampled so far, as this process has received them. Read after pause() and a
+        weight load: the engine core sent every output it had before its pause finished."""
+        op = self.llm.output_processor
+        states = [op.request_states[i] for i in op.external_req_ids.get(request_id, ()) if i in op.request_states]
+        return max((st.detokenizer.num_output_tokens() for st in states if st.detokenizer is not None), default=0)
+
+    async def clear_kv(self) -> None:
+        """After a weight update: the cached prefixes' KV was computed with the old weights."""
+        await self.llm.reset_prefix_cache()
+
     async def sleep(self, level: int) -> None:
         await self.llm.reset_prefix_cache()  # the cached KV is freed (and computed with the old weights)
         await self.llm.sleep(level)
@@ -281,7 +317,6 @@ class _VLLM:
         try:
             # vLLM's reload_weights, then the CPU build's tied lm_head packed anew (weight_sync.worker.retie)
             await self.llm.collective_rpc("rayrl_reload", args=(self.shm.path,))
-            await self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
         finally:
             os.remove(path)
 
@@ -325,6 +360,16 @@ def _flat_logprobs() -> dict:
     from vllm import SamplingParams
 
     return {"flat_logprobs": True} if "flat_logprobs" in getattr(SamplingParams, "__struct_fields__", ()) else {}
+
+
+def _tag(n: int, version: int, marks: list[tuple[int, int]]) -> list[int]:
+    """The policy version of each of `n` tokens sampled from `version` on, where `marks` says after how many tokens
+    an update paused in place switched to which version."""
+    out: list[int] = []
+    for upto, nxt in sorted(marks):
+        out += [version] * (min(upto, n) - len(out))
+        version = nxt
+    return out + [version] * (n - len(out))
 
 
 def sampled_logprobs(logprobs, ids: list[int]) -> list[float]:
@@ -388,6 +433,9 @@ class _HF:
 
     async def preempt(self) -> None:
         pass  # likewise: a weight update waits for the running request
+
+    async def clear_kv(self) -> None:
+        pass  # no KV cache between requests
 
     async def sleep(self, level: int) -> None:
         """The weights to CPU memory (level 1 and 2 alike: transformers has no KV cache between requests)."""

@@ -132,7 +132,6 @@ class Receiver:
     async def receive(self, backend, payload: None) -> None:
         llm = engine_llm(backend, NAME)
         await llm.collective_rpc("rayrl_receive", args=(NAME,))
-        await llm.reset_prefix_cache()  # cached KV was computed with the old weights
 
 
 # --- inside vLLM's worker process -----------------------------------------------------------------------

@@ -149,7 +149,6 @@ class Receiver:
         new = None if self.opened == h.buffer_id else where  # a new buffer: the workers open it first
         self.loads = await llm.collective_rpc("rayrl_receive", args=(NAME, h.buffer_id, new, not h.keep_open))
         self.opened = h.buffer_id if h.keep_open else None
-        await llm.reset_prefix_cache()  # cached KV was computed with the old weights
 
 
 # --- inside vLLM's worker process -----------------------------------------------------------------------

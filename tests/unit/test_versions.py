@@ -26,3 +26,25 @@ def test_version_metrics_span_over_sampled_tokens_of_trained_trajectories():
     m = version_metrics([traj([0, 0, -1, 2]), traj([1, 1]), traj([0, 5], ok=False)])
     assert m == {"policy/version_span_max": 2, "policy/version_span_mean": 1.0, "policy/mixed_version_share": 0.5}
     assert version_metrics([traj([], ok=False)]) == {}
+
+
+def test_tokens_of_a_request_paused_in_place_take_the_version_of_each_update():
+    from rayrl.engine import _tag
+
+    assert _tag(5, 3, []) == [3] * 5
+    assert _tag(5, 0, [(2, 1)]) == [0, 0, 1, 1, 1]
+    assert _tag(6, 0, [(4, 2), (1, 1)]) == [0, 1, 1, 1, 2, 2]  # two updates, in either order
+    assert _tag(3, 0, [(3, 1)]) == [0, 0, 0]  # paused after its last token: none of them is the new version's
+    assert _tag(0, 0, [(0, 1)]) == []
+
+
+def test_keep_kv_on_sync_needs_an_awake_vllm_engine():
+    import pytest
+
+    from rayrl.config import ConfigError, load_config
+
+    assert load_config(None, ["engine.keep_kv_on_sync=true"]).engine.keep_kv_on_sync
+    for bad in (["engine.backend=hf"], ["engine.sleep_level=1", "engine.gpus_per_engine=0.5",
+                                        "learner.gpus_per_worker=0.5"]):
+        with pytest.raises(ConfigError, match="engine.keep_kv_on_sync needs engine.backend=vllm"):
+            load_config(None, ["engine.keep_kv_on_sync=true", *bad])
