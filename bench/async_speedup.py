@@ -10,7 +10,8 @@ trajectories, and the final validation accuracy (one validation after the last s
     python bench/async_speedup.py --job jobs/retool_tiny.yaml --out /tmp/async -- model.dtype=bfloat16 \\
         engine.gpus_per_engine=0.4 engine.gpu_memory_utilization=0.3 learner.gpus_per_worker=0.5   # one GPU
 
-Run names: s<staleness> (partial rollouts off), s<staleness>p (on). The first run is the peer the ratios divide by.
+Run names: s<staleness> (partial rollouts off), s<staleness>p (on), s<staleness>k (on, with the KV cache kept across
+weight updates: `engine.keep_kv_on_sync`). The first run is the peer the ratios divide by.
 """
 
 from __future__ import annotations
@@ -27,12 +28,14 @@ RUNS = "s0,s1,s1p,s2,s2p"
 
 
 def run_overrides(name: str) -> list[str]:
-    """`s1p` -> staleness 1 with partial rollouts."""
-    partial = name.endswith("p")
+    """`s1p` -> staleness 1 with partial rollouts; `s1k` -> the same, the KV cache kept across updates."""
+    partial, keep = name[-1:] in ("p", "k"), name.endswith("k")
     staleness = name[1:-1] if partial else name[1:]
     if not name.startswith("s") or not staleness.isdigit():
-        raise SystemExit(f"async_speedup: run {name!r}: expected s<staleness> or s<staleness>p, e.g. s0, s1p")
-    return [f"algo.max_staleness={staleness}", f"engine.partial_rollout={str(partial).lower()}"]
+        raise SystemExit(f"async_speedup: run {name!r}: expected s<staleness>, s<staleness>p or s<staleness>k, "
+                         "e.g. s0, s1p, s1k")
+    return [f"algo.max_staleness={staleness}", f"engine.partial_rollout={str(partial).lower()}",
+            f"engine.keep_kv_on_sync={str(keep).lower()}"]
 
 
 def summarize(metrics_path: str) -> dict:
