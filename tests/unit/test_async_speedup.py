@@ -10,7 +10,17 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "bench"))
-from async_speedup import busy_share_from_trace
+from async_speedup import busy_share_from_trace, run_overrides
+
+
+def test_run_names_give_staleness_partial_rollouts_and_the_kv_kept():
+    flags = ("algo.max_staleness", "engine.partial_rollout", "engine.keep_kv_on_sync")
+    assert run_overrides("s0") == [f"{f}={v}" for f, v in zip(flags, ("0", "false", "false"), strict=True)]
+    assert run_overrides("s1p") == [f"{f}={v}" for f, v in zip(flags, ("1", "true", "false"), strict=True)]
+    assert run_overrides("s2k") == [f"{f}={v}" for f, v in zip(flags, ("2", "true", "true"), strict=True)]
+    for bad in ("x1", "s", "sk", "s1q"):
+        with pytest.raises(SystemExit, match="expected s<staleness>"):
+            run_overrides(bad)
 
 
 def span(name: str, pid: int, start: float, end: float, tid: int = 0) -> dict:
