@@ -104,8 +104,9 @@ class EngineConfig:
     # partial rollout stops continue as new requests over their tokens (prefilled again), and the prefix cache is
     # cleared, so every token after the update is the new weights' alone. true: kept, as PipelineRL's in-flight update
     # and SkyRL's `clear_kv_cache_on_weight_sync: false` do. Running requests pause in place and continue over their
-    # old KV; cached prefixes stay; nothing is prefilled again. Tokens after the update are sampled by the new weights
-    # over that KV, and their logprobs are what sampled them, so algo.rollout_correction weighs them like stale tokens.
+    # old KV; nothing is prefilled again. Tokens after the update are sampled by the new weights over that KV, and
+    # their logprobs are what sampled them, so algo.rollout_correction weighs them like stale tokens. New requests
+    # never reuse an older version's cached prefixes (vLLM's cache_salt, one per version, as SkyRL's use_cache_salt).
     keep_kv_on_sync: bool = False
     # Colocated engines give the GPU to the learner while it trains (verl's hybrid engine; vLLM's sleep mode):
     # 0 = never; 1 = KV cache freed, weights offloaded to CPU memory; 2 = both freed (the next sync reloads them).

@@ -88,9 +88,12 @@ class Engine:
                 await self._open.wait()
             version, sub = self.version, request_id if part == 0 else f"{request_id}+{part}"
             self._running[request_id] = sub
+            # keep_kv_on_sync: the prefix cache is never cleared, so it is keyed by version instead: a new request
+            # never reuses KV an older version computed (only the requests an update paused continue over theirs)
+            salt = f"rayrl-v{version}" if self.cfg.keep_kv_on_sync else None
             try:
                 out, out_lps, finish = await self._backend.generate(
-                    prompt_ids + ids, replace(sampling, max_tokens=sampling.max_tokens - len(ids)), sub)
+                    prompt_ids + ids, replace(sampling, max_tokens=sampling.max_tokens - len(ids)), sub, salt)
             finally:
                 self._running.pop(request_id, None)
                 marks = self._marks.pop(sub, [])
@@ -249,7 +252,7 @@ class _VLLM:
         self.starting = asyncio.ensure_future(asyncio.to_thread(AsyncLLM.from_engine_args, args))
         self.llm = await self.starting
 
-    async def generate(self, prompt_ids, s: Sampling, request_id):
+    async def generate(self, prompt_ids, s: Sampling, request_id, salt: str | None = None):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
@@ -262,7 +265,8 @@ class _VLLM:
                                 stop_token_ids=s.stop_token_ids, skip_special_tokens=False, ignore_eos=s.ignore_eos,
                                 output_kind=RequestOutputKind.FINAL_ONLY, detokenize=False, **_flat_logprobs())
         final = None
-        async for out in self.llm.generate({"prompt_token_ids": list(prompt_ids)}, params, request_id):
+        prompt = {"prompt_token_ids": list(prompt_ids), **({"cache_salt": salt} if salt else {})}
+        async for out in self.llm.generate(prompt, params, request_id):
             final = out
         if final is None or not final.outputs:  # aborted before the first token
             return [], [], "abort"
@@ -416,7 +420,7 @@ class _HF:
         finish = "stop" if ids and ids[-1] in eos else "length"
         return ids, lps, finish
 
-    async def generate(self, prompt_ids, s: Sampling, request_id):
+    async def generate(self, prompt_ids, s: Sampling, request_id, salt: str | None = None):
         async with self.lock:
             return await asyncio.to_thread(self._generate, prompt_ids, s)
 

@@ -25,7 +25,7 @@ def _logprobs(model, prompt: list[int], ids: list[int]) -> torch.Tensor:
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids)[:, None])[:, 0]
 
 
-async def _run(path: str, partial: bool, new_state: dict, keep_kv: bool = False):
+async def _run(path: str, partial: bool, new_state: dict, keep_kv: bool = False, then: int = 0):
     from rayrl.config import EngineConfig
     from rayrl.engine import Engine, Sampling
     from rayrl.weight_sync.object_store import pack
@@ -44,6 +44,11 @@ async def _run(path: str, partial: bool, new_state: dict, keep_kv: bool = False)
         await asyncio.sleep(took / 3)  # some tokens sampled with version 0
         await eng.receive_weights("object_store", pack(new_state, 1), 1)
         gen = await asyncio.wait_for(req, 600)
+        # a new request after the update over a prefix of the first one, which version 0 computed and the prefix
+        # cache holds (longer than the CPU build's 128-token block: shorter prefixes are not cached)
+        if then:
+            after = await eng.generate(PROMPT + gen.token_ids[:then], Sampling(max_tokens=16, ignore_eos=True), "n")
+            return gen, eng.preemptions, after
         return gen, eng.preemptions
     finally:
         await eng.shutdown()
@@ -93,9 +98,10 @@ def test_keep_kv_on_sync_continues_in_place_over_the_old_weights_kv():
     """The request is paused, not stopped: after the update the new weights sample over the KV the old weights
     computed for the prompt and the tokens before (the last token sampled before the pause is fed through the new
     weights, as the next step computes its KV). Its logprobs are those of exactly that mix, not the new weights'
-    over the whole sequence, and each token is tagged with the version that sampled it."""
+    over the whole sequence, and each token is tagged with the version that sampled it. A new request after the
+    update does not reuse the old KV that the prefix cache still holds: it is the new weights' alone."""
     path, old, new = _models()
-    gen, preemptions = asyncio.run(_run(path, True, new.state_dict(), keep_kv=True))
+    gen, preemptions, after = asyncio.run(_run(path, True, new.state_dict(), keep_kv=True, then=140))
     k = gen.versions.count(0)
     assert len(gen.token_ids) == N and gen.finish_reason == "length" and preemptions == 1
     assert 1 < k < N and gen.versions == [0] * k + [1] * (N - k), gen.versions
@@ -108,3 +114,6 @@ def test_keep_kv_on_sync_continues_in_place_over_the_old_weights_kv():
     gap = (lp[k:] - mixed).abs()
     assert gap.max() < 0.05, f"paused after {k} tokens; token {k + int(gap.argmax())} is {gap.max():.3f} off"
     assert (lp[k:] - _logprobs(new, PROMPT, ids)[k:]).abs().max() > 0.05  # (recomputed KV would give these)
+    assert set(after.versions) == {1}
+    fresh = (torch.tensor(after.logprobs) - _logprobs(new, PROMPT + ids[:140], after.token_ids)).abs()
+    assert fresh.max() < 0.05, f"the request after the update is {fresh.max():.3f} off the new weights' logprobs"
