@@ -285,15 +285,22 @@ class _VLLM:
         await self.llm.resume_generation()
 
     async def pause(self) -> None:
-        """Freeze every running request in place, its KV cache kept (engine.keep_kv_on_sync), until resume()."""
+        """Freeze every running request in place, its KV cache kept (engine.keep_kv_on_sync), until resume(). On
+        return, this process has taken in every token sampled before the pause (`sampled` counts them)."""
         await self.llm.pause_generation(mode="keep", clear_cache=False)
+        # The engine core sent its last outputs before the pause's reply, on the same socket, so they are queued by
+        # now; the output handler takes them off the queue and processes them (yielding between chunks).
+        queue = getattr(self.llm.engine_core, "outputs_queue", None)
+        deadline = time.monotonic() + 5.0
+        while queue is not None and not queue.empty() and time.monotonic() < deadline:
+            await asyncio.sleep(0.001)
+        await asyncio.sleep(0.01)
 
     async def resume(self) -> None:
         await self.llm.resume_generation()
 
     def sampled(self, request_id: str) -> int:
-        """Tokens a running request has sampled so far, as this process has received them. Read after pause() and a
-        weight load: the engine core sent every output it had before its pause finished."""
+        """Tokens a running request has sampled so far, as this process has received them (exact after pause())."""
         op = self.llm.output_processor
         states = [op.request_states[i] for i in op.external_req_ids.get(request_id, ()) if i in op.request_states]
         return max((st.detokenizer.num_output_tokens() for st in states if st.detokenizer is not None), default=0)
