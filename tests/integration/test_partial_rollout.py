@@ -46,10 +46,9 @@ async def _run(path: str, partial: bool, new_state: dict, keep_kv: bool = False,
         gen = await asyncio.wait_for(req, 600)
         # a new request after the update over a prefix of the first one, which version 0 computed and the prefix
         # cache holds (longer than the CPU build's 128-token block: shorter prefixes are not cached)
-        if then:
-            after = await eng.generate(PROMPT + gen.token_ids[:then], Sampling(max_tokens=16, ignore_eos=True), "n")
-            return gen, eng.preemptions, after
-        return gen, eng.preemptions
+        after = None if not then else await eng.generate(PROMPT + gen.token_ids[:then],
+                                                         Sampling(max_tokens=16, ignore_eos=True), "n")
+        return gen, eng.preemptions, after
     finally:
         await eng.shutdown()
 
@@ -72,7 +71,7 @@ def _models():
 
 def test_partial_rollout_continues_with_the_new_weights_and_tags_each_token():
     path, old, new = _models()
-    gen, preemptions = asyncio.run(_run(path, True, new.state_dict()))
+    gen, preemptions, _ = asyncio.run(_run(path, True, new.state_dict()))
     k = gen.versions.count(0)
     assert len(gen.token_ids) == N and gen.finish_reason == "length" and preemptions == 1
     assert 0 < k < N and gen.versions == [0] * k + [1] * (N - k), gen.versions  # stopped once, continued
@@ -90,7 +89,7 @@ def test_without_partial_rollout_the_update_waits_for_the_request():
 
     path = resolve_model("smollm2")
     new = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    gen, preemptions = asyncio.run(_run(path, False, new.state_dict()))
+    gen, preemptions, _ = asyncio.run(_run(path, False, new.state_dict()))
     assert len(gen.token_ids) == N and preemptions == 0 and set(gen.versions) == {0}
 
 
