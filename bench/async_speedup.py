@@ -34,8 +34,9 @@ def run_overrides(name: str) -> list[str]:
     if not name.startswith("s") or not staleness.isdigit():
         raise SystemExit(f"async_speedup: run {name!r}: expected s<staleness>, s<staleness>p or s<staleness>k, "
                          "e.g. s0, s1p, s1k")
+    # keep_kv_on_sync only when on: an older rayrl (a baseline run of a previous commit) does not know the field
     return [f"algo.max_staleness={staleness}", f"engine.partial_rollout={str(partial).lower()}",
-            f"engine.keep_kv_on_sync={str(keep).lower()}"]
+            *(["engine.keep_kv_on_sync=true"] if keep else [])]
 
 
 def summarize(metrics_path: str) -> dict:

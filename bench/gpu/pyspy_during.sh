@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Where the time goes while a run trains: py-spy on the engine actor, its EngineCore process, the Gateway, one rollout
+# worker and one learner worker, all sampled over the same seconds, once the run's metrics.jsonl has STEP steps.
+#   bash bench/gpu/pyspy_during.sh OUTDIR RUN_DIR/metrics.jsonl [STEP=4] [SECONDS=10] &    # beside async_gpu.sh
+# Writes OUTDIR/<process>.txt (collapsed stacks of the threads on a CPU, --nonblocking: the processes are not paused) and its .log and ps.txt. Summarise
+# here with `python bench/gpu/pyspy_top.py OUTDIR/*.txt`. py-spy comes from .gpu-bundles/extra (setup_host.sh notes).
+set -uo pipefail
+out=${1:?OUTDIR}; metrics=${2:?metrics.jsonl}; step=${3:-4}; secs=${4:-10}
+mkdir -p "$out"
+for _ in $(seq 900); do
+  [ -f "$metrics" ] && [ "$(wc -l < "$metrics")" -ge "$step" ] && break; sleep 1
+done
+ps -eo pid,pcpu,rss,args --sort=-pcpu | head -40 > "$out/ps.txt"
+for name in VLLM::EngineCore ray::EngineActor ray::GatewayActor ray::RolloutActor ray::LearnerActor; do
+  pid=$(pgrep -f "^$name" | head -1)
+  [ -n "$pid" ] || { echo "no $name" >> "$out/ps.txt"; continue; }
+  py-spy record --nonblocking --threads -r 100 -d "$secs" -f raw -o "$out/${name#*::}.txt" --pid "$pid" \
+    > "$out/${name#*::}.log" 2>&1 &
+done
+wait
