@@ -17,7 +17,8 @@ def test_run_names_give_staleness_partial_rollouts_and_the_kv_kept():
     assert run_overrides("s0") == ["algo.max_staleness=0", "engine.partial_rollout=false"]
     assert run_overrides("s1p") == ["algo.max_staleness=1", "engine.partial_rollout=true"]
     # keep_kv_on_sync is named only when on, so a baseline run of an older rayrl (without the field) still starts
-    assert run_overrides("s2k") == ["algo.max_staleness=2", "engine.partial_rollout=true", "engine.keep_kv_on_sync=true"]
+    assert run_overrides("s2k") == ["algo.max_staleness=2", "engine.partial_rollout=true",
+                                    "engine.keep_kv_on_sync=true"]
     for bad in ("x1", "s", "sk", "s1q"):
         with pytest.raises(SystemExit, match="expected s<staleness>"):
             run_overrides(bad)
