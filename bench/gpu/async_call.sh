@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # One async_gpu.sh run in one device call, py-spy beside it (pyspy_during.sh, at step PROFILE_STEP), everything packed
 # into OUT/RUN.tgz (the device returns few files) and the summaries printed:
-#   bash bench/gpu/async_call.sh RUN OUT [ROOT]     # ROOT: a tree holding an older rayrl (e.g. .gpu-old), run from it
+#   bash bench/gpu/async_call.sh RUN OUT [ROOT [overrides]]  # ROOT (default .): a tree holding an older rayrl (e.g.
+#                                                            # .gpu-old), run from it; overrides go to every run
 # The SFT (retool_gpu.sh sft) must have run earlier in the same warm period.
 set -uo pipefail
-run=${1:?RUN}; out=$(realpath -m "${2:?OUT}"); root=${3:-.}
+run=${1:?RUN}; out=$(realpath -m "${2:?OUT}"); root=${3:-.}; shift $(($# < 3 ? $# : 3))
 here=$(cd "$(dirname "$0")" && pwd); a=$out/$run; mkdir -p "$a"
 (cd "$root" && python3 -c "import rayrl; print('rayrl from', rayrl.__file__)") | tee "$out/$run.log"
 bash "$here/pyspy_during.sh" "$a/pyspy" "$a/$run/metrics.jsonl" "${PROFILE_STEP:-5}" 10 &
-(cd "$root" && RUNS=$run STEPS=${STEPS:-16} RUN_TIMEOUT=${RUN_TIMEOUT:-300} bash bench/gpu/async_gpu.sh "$a") \
+(cd "$root" && RUNS=$run STEPS=${STEPS:-16} RUN_TIMEOUT=${RUN_TIMEOUT:-300} bash bench/gpu/async_gpu.sh "$a" "$@") \
   >> "$out/$run.log" 2>&1
 kill %1 2>/dev/null; wait
 tar -xzf "$a/$run/logs.tgz" -O trace.json 2>/dev/null | gzip > "$a/$run/trace.json.gz"
