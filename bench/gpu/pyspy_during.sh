@@ -10,7 +10,7 @@ mkdir -p "$out"
 for _ in $(seq 900); do
   [ -f "$metrics" ] && [ "$(wc -l < "$metrics")" -ge "$step" ] && break; sleep 1
 done
-{ top -b -n 2 -d 2 -w 250 -c | tail -n +$(( $(top -b -n 1 -w 250 | wc -l) + 1 )) | head -45; } > "$out/ps.txt" 2>&1
+top -b -n 2 -d 2 -w 250 -c | awk '/^top -/{n++} n==2' | head -45 > "$out/ps.txt" 2>&1
 for name in VLLM::EngineCore ray::EngineActor ray::GatewayActor ray::RolloutActor ray::LearnerActor; do
   pid=$(pgrep -f "^$name" | head -1)
   [ -n "$pid" ] || { echo "no $name" >> "$out/ps.txt"; continue; }
