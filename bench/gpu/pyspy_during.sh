@@ -11,8 +11,8 @@ for _ in $(seq 900); do
   [ -f "$metrics" ] && [ "$(wc -l < "$metrics")" -ge "$step" ] && break; sleep 1
 done
 top -b -n 2 -d 2 -w 250 -c | awk '/^top -/{n++} n==2' | head -45 > "$out/ps.txt" 2>&1
-for name in VLLM::EngineCore ray::EngineActor ray::GatewayActor ray::RolloutActor ray::LearnerActor; do
-  pid=$(pgrep -f "^$name" | head -1)
+for name in VLLM::EngineCore VLLM::Worker ray::Engine ray::Gateway ray::Rollout ray::Learner; do
+  pid=$(pgrep -f "^$name( |\.|$)" | head -1)  # ray names an actor process ray::<Class>[.method]
   [ -n "$pid" ] || { echo "no $name" >> "$out/ps.txt"; continue; }
   py-spy record --nonblocking --threads -r 100 -d "$secs" -f raw -o "$out/${name#*::}.txt" --pid "$pid" \
     > "$out/${name#*::}.log" 2>&1 &
