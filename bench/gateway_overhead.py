@@ -7,7 +7,11 @@ RolloutWorker runs it:
   gateway = `open_session` -> `AsyncOpenAI(base_url=<gateway>/sessions/<id>/v1).chat.completions.create(...)` over
             HTTP -> `close_session` (the record with token ids, logprobs, mask)
 `--sessions` episodes, `--concurrency` at a time, `--max-tokens` each with ignore_eos (equal work on both sides).
-Tokens/s = sampled tokens / wall time of all episodes. A warm-up round of each side runs first; then the two
+Tokens/s = sampled tokens / wall time of all episodes. Also printed: the CPU milliseconds the Gateway's process and
+the Engine actor's process (vLLM's front end; its engine core is another process) spent per episode on each side, from
+their `time.process_time()` around the measured rounds. One Gateway actor serves every rollout worker, so 1000 / its
+ms per episode bounds the episodes per second one Gateway can serve on such a core (`--max-tokens 1` leaves little
+besides the per-call work). A warm-up round of each side runs first; then the two
 sides are measured alternately (direct, gateway, direct, gateway) and each side's best is reported.
 
     python bench/gateway_overhead.py                       # SmolLM2-135M, 64 sessions, 32 at a time, 64 tokens
@@ -81,6 +85,11 @@ async def run_gateway(gateway, convs, conc: int, max_tokens: int) -> tuple[int, 
     return n, dt
 
 
+def cpu_s(actor) -> float:
+    """CPU seconds the actor's process has used so far (all its threads)."""
+    return ray.get(actor.__ray_call__.remote(lambda self: time.process_time()), timeout=60)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2")
@@ -110,20 +119,25 @@ def main() -> None:
         asyncio.run(run_direct(engine, tok, warm, a.concurrency, 8))
         asyncio.run(run_gateway(gateway, warm, a.concurrency, 8))
         res: dict[str, list[float]] = {"direct": [], "gateway": []}
+        cpu = {f"{side}_{proc}": 0.0 for side in res for proc in ("gateway", "engine")}  # CPU s over the rounds
         for _ in range(a.rounds):
-            n, dt = asyncio.run(run_direct(engine, tok, convs, a.concurrency, a.max_tokens))
-            assert n == a.sessions * a.max_tokens, n
-            res["direct"].append(n / dt)
-            n, dt = asyncio.run(run_gateway(gateway, convs, a.concurrency, a.max_tokens))
-            assert n == a.sessions * a.max_tokens, n
-            res["gateway"].append(n / dt)
+            for side, run in (("direct", lambda: run_direct(engine, tok, convs, a.concurrency, a.max_tokens)),
+                              ("gateway", lambda: run_gateway(gateway, convs, a.concurrency, a.max_tokens))):
+                g0, e0 = cpu_s(gateway), cpu_s(engine)
+                n, dt = asyncio.run(run())
+                cpu[f"{side}_gateway"] += cpu_s(gateway) - g0
+                cpu[f"{side}_engine"] += cpu_s(engine) - e0
+                assert n == a.sessions * a.max_tokens, n
+                res[side].append(n / dt)
         direct, through = max(res["direct"]), max(res["gateway"])
         ratio = through / direct
         print(json.dumps({"date": datetime.date.today().isoformat(), "model": os.path.basename(model.rstrip("/")),
                           "sessions": a.sessions, "concurrency": a.concurrency, "max_tokens": a.max_tokens,
                           "direct_tok_s": [round(x, 1) for x in res["direct"]],
                           "gateway_tok_s": [round(x, 1) for x in res["gateway"]], "gateway_url": url,
-                          "ratio": round(ratio, 3), "target": TARGET, "pass": ratio >= TARGET}))
+                          "ratio": round(ratio, 3), "target": TARGET, "pass": ratio >= TARGET,
+                          **{f"cpu_ms_per_episode_{k}": round(1000 * v / (a.rounds * a.sessions), 2)
+                             for k, v in cpu.items()}}))
     finally:
         if gateway is not None:
             ray.kill(gateway)
