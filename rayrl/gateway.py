@@ -15,7 +15,6 @@ also runs the uvicorn server.
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import logging
 import socket
@@ -69,11 +68,16 @@ class Gateway:
         self._server = None  # uvicorn, when listening
         self._serve: asyncio.Task | None = None  # its serve() task
         self._local = None  # in-process client of the app, for request()
+        self._parser: asyncio.Future | None = None  # tool_parser()
 
-    @functools.cached_property
-    def _hermes(self) -> Any:
-        """vLLM's tool parser for this tokenizer (None without vLLM), built at the first tool call."""
-        return vllm_tool_parser(self.tok)
+    def tool_parser(self) -> asyncio.Future:
+        """vLLM's tool parser for this tokenizer (None without vLLM), built once, in a thread: importing vLLM's parsers
+        takes seconds (3.5 s on the CPU machine). Built on the event loop at the first tool call, it held every
+        request in flight that long: on the GPU, all of step 1's first turns ended together, ~5 s late. start()
+        begins it, so it is ready before the engines are."""
+        if self._parser is None:
+            self._parser = asyncio.ensure_future(asyncio.to_thread(vllm_tool_parser, self.tok))
+        return self._parser
 
     # sessions ---------------------------------------------------------------------------------
     def open_session(self, task_id: str, budget: int | None = None, max_prompt: int | None = None,
@@ -191,12 +195,15 @@ class Gateway:
         max_tokens = body.get("max_completion_tokens") or body.get("max_tokens")
         s = self.sessions.bind(path_sid, api_key, messages)
         self.counts["requests"] += 1
+        # shielded: a request cancelled while the parser is built does not cancel it for the others
+        parse = bool(tools) and tool_choice != "none"
+        parser = await asyncio.shield(self.tool_parser()) if parse else None
         if s is None:
             self.counts["unbound_requests"] += 1
             prompt = self.sessions.prompt_ids(None, messages, tools)
             sampling = self._sampling(None, body, self.sessions.limits(None, prompt, max_tokens, n))
             gens = await self._unbound(prompt, sampling, n, disconnected)
-            choices = [self._choice(i, g, tools, tool_choice, body.get("logprobs"))[0] for i, g in enumerate(gens)]
+            choices = [self._choice(i, g, parse, parser, body.get("logprobs"))[0] for i, g in enumerate(gens)]
             return response(True, self.model_name, choices, len(prompt), sum(len(g.token_ids) for g in gens))
         async with s.lock:
             try:
@@ -206,25 +213,26 @@ class Gateway:
                 s.record.errors.append(f"{e.status} {e.code}: {e.message}")
                 raise
             gen, turn = await self._turn(s, prompt, self._sampling(s, body, limit), disconnected)
-            choice, turn.parse_error = self._choice(0, gen, tools, tool_choice, body.get("logprobs"))
+            choice, turn.parse_error = self._choice(0, gen, parse, parser, body.get("logprobs"))
             if turn.parse_error is not None:
                 s.record.parse_errors.append(f"turn {s.record.num_turns - 1}: {turn.parse_error}")
             turn.tool_calls = len(choice["message"].get("tool_calls") or [])
             s.history = messages + normalize_messages([choice["message"]])
         return response(True, self.model_name, [choice], len(prompt), len(gen.token_ids), s.record.session_id)
 
-    def _choice(self, i: int, gen: Generation, tools, tool_choice, want_logprobs) -> tuple[dict, str | None]:
-        """One OpenAI choice from a generation, tool calls parsed; and the parse error of a malformed tool call."""
+    def _choice(self, i: int, gen: Generation, parse: bool, parser, want_logprobs) -> tuple[dict, str | None]:
+        """One OpenAI choice from a generation, tool calls parsed when `parse` (with tool_parser()'s `parser`, or the
+        regex where that is None); and the parse error of a malformed tool call."""
         self.counts["tokens_out"] += len(gen.token_ids)
         text = self.tok.decode(gen.token_ids, skip_special_tokens=True)
         msg: dict[str, Any] = {"role": "assistant", "content": text}
         choice: dict[str, Any] = {"index": i, "message": msg, "finish_reason": finish_reason(gen.finish_reason),
                                   "logprobs": None}
         error = None
-        if tools and tool_choice != "none":
+        if parse:
             raw = self.tok.decode(gen.token_ids, skip_special_tokens=False)  # <tool_call> may be a special token
             raw = raw.removesuffix(self.tok.eos_token or "\0")
-            content, calls, error = parse_tool_calls(raw, self._hermes)
+            content, calls, error = parse_tool_calls(raw, parser)
             if calls:
                 msg["content"], msg["tool_calls"] = content, calls
                 choice["finish_reason"] = "tool_calls"
@@ -281,6 +289,7 @@ class Gateway:
         its URL stays); returns the base URL (`http://host:port`)."""
         import uvicorn
 
+        self.tool_parser()  # in a thread, while the engines load
         g = self.cfg.gateway
         if not g.enabled:  # no listener: clients come through request() (rollout.RayTransport)
             self.base_url = "http://rayrl-gateway"

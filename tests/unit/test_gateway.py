@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import subprocess
+import sys
+import textwrap
+
 import pytest
 from ray.exceptions import RayActorError
 
@@ -120,16 +125,53 @@ def test_response_choice_parses_tool_calls_from_engine_tokens(gw, tok):
         ids = tok.encode(text, add_special_tokens=False) + [tok.eos_token_id]
         return Generation([1], ids, [-0.1] * len(ids), "stop", 0)
 
-    choice, err = gw._choice(0, gen("Adding." + ONE), TOOLS, "auto", False)
+    async def built():
+        return await gw.tool_parser()
+
+    parser = asyncio.run(built())
+    assert type(parser).__name__ == "Hermes2ProToolParser"  # vLLM's, which the CPU build has too
+    assert TOOLS  # the requests below carry tools (chat() parses only then, and not for tool_choice "none")
+    choice, err = gw._choice(0, gen("Adding." + ONE), True, parser, False)
     assert err is None and choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Adding."
     assert choice["message"]["tool_calls"][0]["function"]["name"] == "add"
     bad = '<tool_call>\n{"name": "add", "arguments": {"a": 1}\n</tool_call>'
-    choice, err = gw._choice(0, gen(bad), TOOLS, "auto", True)
+    choice, err = gw._choice(0, gen(bad), True, parser, True)
     assert err and choice["finish_reason"] == "stop" and choice["message"]["content"] == bad
     assert "tool_calls" not in choice["message"] and len(choice["logprobs"]["content"]) == len(gen(bad).token_ids)
-    choice, err = gw._choice(0, gen(ONE), TOOLS, "none", False)  # tool_choice none: no parsing
+    choice, err = gw._choice(0, gen(ONE), False, None, False)  # no tools, or tool_choice none: no parsing
     assert err is None and "tool_calls" not in choice["message"]
     assert gw.counts["parse_errors"] == 1
+
+
+def test_the_tool_parser_is_built_off_the_event_loop(tiny_model):
+    """Importing vLLM's tool parser takes seconds; the Gateway builds it in a thread, so the requests its event loop
+    serves meanwhile are not held (on the GPU, all of step 1's first turns once ended together, ~5 s late). In a
+    fresh interpreter, where vLLM is not imported yet."""
+    code = textwrap.dedent(f"""
+        import asyncio, sys, time
+        from rayrl.config import load_config
+        from rayrl.gateway import Gateway
+        from tests.helpers import tiny_overrides
+        assert "vllm" not in sys.modules
+        gw = Gateway(load_config(None, tiny_overrides({tiny_model!r}, "/tmp/unused")), {tiny_model!r}, engines=[])
+
+        async def main():
+            t0 = last = time.perf_counter()
+            fut, gaps = gw.tool_parser(), []
+            while not gaps or not fut.done():  # the first gap includes the call itself
+                await asyncio.sleep(0.01)
+                gaps.append(time.perf_counter() - last)
+                last = time.perf_counter()
+            print(type(fut.result()).__name__, round(time.perf_counter() - t0, 3), round(max(gaps), 3))
+
+        asyncio.run(main())
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=__file__.rsplit("/tests/", 1)[0])
+    name, took, gap = out.stdout.split()[-3:]
+    assert name == "Hermes2ProToolParser", out.stderr[-2000:]
+    # the build took seconds; the loop ticked all along (a tick longer than 0.5 s would be the import holding it)
+    assert float(took) > 0.5 and float(gap) < 0.5, (took, gap)
 
 
 class _FailingEngine:
