@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import itertools
+import logging
 import time
 import traceback
 import zlib
@@ -31,6 +32,8 @@ from rayrl.sandbox import SandboxPool
 from rayrl.sandbox.client import ActorSandbox
 from rayrl.sessions import ran_out
 from rayrl.types import SessionRecord, Task, Trajectory
+
+log = logging.getLogger(__name__)
 
 
 class Rollout:
@@ -52,10 +55,24 @@ class Rollout:
         """Lease and run episodes (`_dispatch`) for as long as the actor lives (the driver sees it end only when it
         dies), watching the event loop's lag meanwhile."""
         watch = asyncio.create_task(self._watch_loop())
+        warm = asyncio.create_task(self._warm_sandboxes()) if self.cfg.sandbox.warm else None
         try:
             await self._dispatch()
         finally:
             watch.cancel()
+            if warm is not None:
+                warm.cancel()
+
+    async def _warm_sandboxes(self) -> None:
+        """sandbox.warm: this worker's own pools start their zygotes now, beside the first leases (a failure is the
+        pool's to report at its first run, as without warming)."""
+        for pool in self.sandboxes:
+            if isinstance(pool, SandboxPool):
+                try:
+                    await pool.warm()
+                except Exception as e:  # noqa: BLE001 - warming is an optimisation; the runs meet the same error
+                    log.warning("rollout %s: warming the sandbox pool failed: %s: %s", self.worker_id,
+                                type(e).__name__, e)
 
     async def _dispatch(self) -> None:
         """Lease episodes and run up to `rollout.concurrency` at once.

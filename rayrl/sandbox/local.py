@@ -46,6 +46,7 @@ class LocalBackend:
         # would keep the namespace's capabilities, which only exec drops: there every run is spawned.
         self.use_zygote = config.zygote and not self.isolation["userns"]
         self._zygotes: dict[int, _Zygote] = {}
+        self._starting: dict[int, asyncio.Future] = {}  # slot -> its zygote's start, shared by whoever waits for it
         self.isolation["zygote"] = self.use_zygote
 
     def _env(self, home: str) -> dict[str, str]:
@@ -90,11 +91,24 @@ class LocalBackend:
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
 
+    async def warm(self, slots: int) -> None:
+        """Start the zygotes of slots 0..slots-1 now (sandbox.warm), not at their first runs."""
+        if self.use_zygote:
+            await asyncio.gather(*(self._zygote(slot) for slot in range(slots)))
+
     async def _zygote(self, slot: int) -> _Zygote | None:
-        """The slot's zygote, (re)started if it is not running; None (and spawning from now on) if it cannot start."""
+        """The slot's zygote, (re)started if it is not running; None (and spawning from now on) if it cannot start.
+        One start per slot at a time: a run that comes while warm() starts its slot's zygote waits for that one."""
         z = self._zygotes.get(slot)
         if z is not None and z.alive():
             return z
+        if slot not in self._starting:
+            start = self._starting[slot] = asyncio.ensure_future(self._start_zygote(slot))
+            start.add_done_callback(lambda _: self._starting.pop(slot, None))
+        return await asyncio.shield(self._starting[slot])
+
+    async def _start_zygote(self, slot: int) -> _Zygote | None:
+        z = self._zygotes.get(slot)
         if z is not None:
             z.close()
         cfg = {**self._limits(), "isolation": self.isolation, "keep": self.keep, "preload": list(self.config.preload)}

@@ -43,6 +43,12 @@ class SandboxPool:
                   f"{self._backend.isolation}", file=sys.stderr, flush=True)
         return self._backend
 
+    async def warm(self) -> None:
+        """Set up now what the first runs would wait for (sandbox.warm): the backend and, local, every slot's zygote."""
+        warm = getattr(self.backend, "warm", None)
+        if warm is not None:
+            await warm(self.config.max_concurrency)
+
     @property
     def isolation(self) -> dict[str, Any]:
         """What the local backend could set up here (namespaces, uid per slot); {} for e2b."""

@@ -96,6 +96,35 @@ def test_runs_fork_from_a_zygote_that_is_restarted_when_it_dies() -> None:
     assert third.stdout == "ok\n", third
 
 
+def test_warm_starts_every_slots_zygote_once_and_runs_fork_from_them(monkeypatch) -> None:
+    """sandbox.warm: the pool starts all its slots' zygotes up front; a run that arrives while they start waits for
+    its slot's zygote instead of starting a second one, and forks from it."""
+    from rayrl.sandbox import local
+
+    started = []
+
+    class Counted(local._Zygote):  # the real zygote, counted
+        def __init__(self, *a, **kw):
+            started.append(1)
+            super().__init__(*a, **kw)
+
+    monkeypatch.setattr(local, "_Zygote", Counted)
+
+    async def go():
+        pool = SandboxPool(SandboxConfig(max_concurrency=3, warm=True))
+        warming = asyncio.ensure_future(pool.warm())
+        await asyncio.sleep(0)  # the starts are under way
+        run = await pool.run("import os\nprint(os.getppid())")  # slot 0, mid-warm-up
+        await warming
+        pids = {slot: z.proc.pid for slot, z in pool._backend._zygotes.items() if z.alive()}
+        runs = await run_all(pool, ["import os\nprint(os.getppid())"] * 3)  # closes the pool
+        return run, pids, runs
+    run, pids, runs = arun(go())
+    assert sorted(pids) == [0, 1, 2] and len(set(pids.values())) == 3 and len(started) == 3, (pids, started)
+    assert int(run.stdout) == pids[0]  # slot 0's run forked from the warm-up's zygote, not a second one
+    assert all(r.ok for r in runs) and {int(r.stdout) for r in runs} <= set(pids.values()), (runs, pids)
+
+
 def test_falls_back_to_spawning_when_the_zygote_cannot_start(monkeypatch, caplog) -> None:
     from rayrl.sandbox import zygote
 
