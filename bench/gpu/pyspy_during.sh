@@ -2,7 +2,8 @@
 # Where the time goes while a run trains: py-spy on the engine actor, its EngineCore process, the Gateway, one rollout
 # worker and one learner worker, all sampled over the same seconds, once the run's metrics.jsonl has STEP steps.
 #   bash bench/gpu/pyspy_during.sh OUTDIR RUN_DIR/metrics.jsonl [STEP=4] [SECONDS=10] &    # beside async_gpu.sh
-# Writes OUTDIR/<process>.txt (collapsed stacks of the threads on a CPU, --nonblocking: the processes are not paused) and its .log and ps.txt. Summarise
+# Writes OUTDIR/<Process>.txt (collapsed stacks of the threads on a CPU, --nonblocking: the processes are not paused)
+# with its .log, and ps.txt (top over 2 s). Summarise
 # here with `python bench/gpu/pyspy_top.py OUTDIR/*.txt`. py-spy comes from .gpu-bundles/extra (setup_host.sh notes).
 set -uo pipefail
 out=${1:?OUTDIR}; metrics=${2:?metrics.jsonl}; step=${3:-4}; secs=${4:-10}
