@@ -14,6 +14,6 @@ bash "$here/pyspy_during.sh" "$a/pyspy" "$a/$run/metrics.jsonl" "${PROFILE_STEP:
 kill %1 2>/dev/null; wait
 tar -xzf "$a/$run/logs.tgz" -O trace.json 2>/dev/null | gzip > "$a/$run/trace.json.gz"
 { tail -n 8 "$out/$run.log"; python3 "$here/driver_gaps.py" "$a/$run/trace.json.gz" | tail -n 25
-  python3 "$here/pyspy_top.py" --top 12 "$a"/pyspy/[A-Z]*.txt; }  # not ps.txt (top) > "$a/summary.txt" 2>&1
+  python3 "$here/pyspy_top.py" --top 12 "$a"/pyspy/[A-Z]*.txt; } > "$a/summary.txt" 2>&1
 tar -czf "$out/$run.tgz" -C "$out" "$run" "$run.log" && rm -rf "$a"
 tar -xzf "$out/$run.tgz" -O "$run/summary.txt"
