@@ -1,8 +1,10 @@
-"""Summarise pyspy_during.sh's collapsed stacks: per process, each thread's share of the sampled time on a CPU (py-spy
-records only running threads; the .log beside each file gives the sampling rounds), and the functions that take the
-most of those samples, inclusive and as leaf.
+"""Summarise pyspy_during.sh's collapsed stacks: per process, each thread's share of the samples and the functions that
+take the most of them, inclusive and as leaf. py-spy records only threads that are running (no --idle), and its
+"Samples" count is of such thread-samples, not of sampling rounds; with --nonblocking on a busy host it also falls
+behind its rate. So these are shares of where a process spends its CPU, not of wall time: for how busy each process
+is, read pyspy_during.sh's ps.txt (top).
 
-    python bench/gpu/pyspy_top.py OUTDIR/*.txt [--top 15]
+    python bench/gpu/pyspy_top.py OUTDIR/[A-Z]*.txt [--top 15]
 """
 
 import argparse
@@ -15,13 +17,6 @@ def frame_name(frame: str) -> str:
     """`func (path/to/file.py:123)` -> `func (file.py)`: lines of one function count together."""
     m = re.match(r"(.*) \((.*?):\d+\)$", frame)
     return f"{m.group(1)} ({os.path.basename(m.group(2))})" if m else frame
-
-
-def rounds(path: str) -> int | None:
-    """py-spy's 'Samples: N' (sampling rounds) from the .log beside the stacks."""
-    log = os.path.splitext(path)[0] + ".log"
-    m = re.search(r"Samples: (\d+)", open(log).read()) if os.path.exists(log) else None
-    return int(m.group(1)) if m else None
 
 
 def summarise(path: str, top: int) -> str:
@@ -37,10 +32,9 @@ def summarise(path: str, top: int) -> str:
         for f in dict.fromkeys(frame_name(f) for f in frames[1:]):
             inclusive[f] += n
         leaf[frame_name(frames[-1])] += n
-    total, r = sum(threads.values()), rounds(path)
-    out = [f"== {os.path.basename(path)}: {total} samples on a CPU over {r or '?'} rounds"]
-    out += [f"  {t[:70]}: {100 * n / r:.0f}% of the time" if r else f"  {t[:70]}: {n} samples"
-            for t, n in threads.most_common(8)]
+    total = sum(threads.values())
+    out = [f"== {os.path.basename(path)}: {total} samples of running threads"]
+    out += [f"  {t[:70]}: {100 * n / max(total, 1):.0f}% of them" for t, n in threads.most_common(8)]
     out.append("  inclusive:")
     out += [f"    {100 * n / max(total, 1):5.1f}%  {f[:110]}" for f, n in inclusive.most_common(top)]
     out.append("  leaf:")
