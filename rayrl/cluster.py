@@ -204,6 +204,9 @@ def start(cfg: Config, model_path: str) -> Actors:
                                       **_RESTART, max_task_retries=1,
                                       resources=cfg.placement.sandbox_resources, **_in(groups, "sandbox", i), **_env())
                  .remote(sb) for i in range(sb.num_actors)]
+    if sb.warm:  # started beside the engines' load; a zygote that cannot start falls back inside the pool
+        for actor in sandboxes:
+            actor.warm.remote()
     actors = Actors(queue=queue, reward=reward, engines=engines, learners=learners, sandboxes=sandboxes, groups=groups)
     try:
         # Engines and learners load in parallel; the learners rendezvous at rank 0's address. Engines that sleep

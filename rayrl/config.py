@@ -294,9 +294,10 @@ class SandboxConfig:
     python: str | None = None  # interpreter for python runs; None = the pool process's own (sys.executable)
     zygote: bool = True  # fork each run from a warm per-slot helper process; False: spawn a new interpreter per run
     preload: list[str] = field(default_factory=lambda: ["numpy"])  # imported once by each zygote (if installed)
-    # Start every slot's zygote when the rollout worker starts (beside the engines' load), not at the slot's first
-    # run: the first step's tool calls then do not wait on interpreters starting (a median 1.2 s, one 6 s, in step 1
-    # on the H200). For agents that run code; others would keep max_concurrency idle zygotes per worker.
+    # Start every slot's zygote when the pool's owner starts (each rollout worker, or each shared SandboxActor with
+    # num_actors), beside the engines' load, not at the slot's first run: the first step's tool calls then do not
+    # wait on interpreters starting (step 1's median sandbox call was 1.2 s on the H200). For agents that run code;
+    # others would keep max_concurrency idle zygotes per pool.
     warm: bool = False
     env: dict[str, str] = field(default_factory=dict)  # extra environment variables for the runs
     # e2b backend (seed 001's e2b_code_tool_config.yaml)

@@ -3,8 +3,8 @@
 # worker and one learner worker, all sampled over the same seconds, once the run's metrics.jsonl has STEP steps.
 #   bash bench/gpu/pyspy_during.sh OUTDIR RUN_DIR/metrics.jsonl [STEP=4] [SECONDS=10] &    # beside async_gpu.sh
 # Writes OUTDIR/<Process>.txt (collapsed stacks of the threads on a CPU, --nonblocking: the processes are not paused)
-# with its .log, and ps.txt (top over 2 s). Summarise
-# here with `python bench/gpu/pyspy_top.py OUTDIR/[A-Z]*.txt` (not ps.txt). py-spy comes from .gpu-bundles/extra (setup_host.sh notes).
+# with its .log, and ps.txt (top over 2 s). Summarise with `python bench/gpu/pyspy_top.py OUTDIR/[A-Z]*.txt`.
+# py-spy comes from .gpu-bundles/extra (bench/gpu/README.md, ninth-session notes).
 set -uo pipefail
 out=${1:?OUTDIR}; metrics=${2:?metrics.jsonl}; step=${3:-4}; secs=${4:-10}
 mkdir -p "$out"

@@ -28,6 +28,10 @@ class SandboxActor:
         except SandboxFull as e:
             return ExecResult("", "", None, 0.0, str(e))
 
+    async def warm(self) -> None:
+        """sandbox.warm: start every slot's zygote now (the driver calls it once the actor is created)."""
+        await self.pool.warm()
+
     def stats(self) -> dict[str, Any]:
         return {**self.pool.stats, "isolation": self.pool.isolation}
 

@@ -35,6 +35,20 @@ def test_tool_agent_runs_code_in_a_shared_sandbox_actor(ray_cluster):
         ray.kill(actor)
 
 
+def test_warm_starts_the_shared_actors_zygotes(ray_cluster) -> None:
+    """sandbox.warm with shared SandboxActors: cluster.start calls warm() on each; every slot's zygote is then up
+    before the first run."""
+    actor = SandboxActor.options(num_cpus=0).remote(SandboxConfig(max_concurrency=2, warm=True))
+    try:
+        ray.get(actor.warm.remote(), timeout=60)
+        live = ray.get(actor.__ray_call__.remote(
+            lambda self: sorted(s for s, z in self.pool._backend._zygotes.items() if z.alive())), timeout=30)
+        assert live == [0, 1], live
+    finally:
+        ray.get(actor.close.remote(), timeout=30)
+        ray.kill(actor)
+
+
 def test_a_full_actor_answers_with_an_error_result(ray_cluster) -> None:
     actor = SandboxActor.options(num_cpus=0).remote(SandboxConfig(max_concurrency=1, max_queue=0))
     try:

@@ -119,8 +119,6 @@ def test_response_choice_parses_tool_calls_from_engine_tokens(gw, tok):
     """What the Gateway answers for sampled tokens holding hermes tool calls: OpenAI tool_calls and finish_reason
     tool_calls; a malformed call: the text as content, finish_reason stop, and the error (which the session
     records) — never an exception."""
-    from tests.helpers import TOOLS
-
     def gen(text):
         ids = tok.encode(text, add_special_tokens=False) + [tok.eos_token_id]
         return Generation([1], ids, [-0.1] * len(ids), "stop", 0)
@@ -130,7 +128,7 @@ def test_response_choice_parses_tool_calls_from_engine_tokens(gw, tok):
 
     parser = asyncio.run(built())
     assert type(parser).__name__ == "Hermes2ProToolParser"  # vLLM's, which the CPU build has too
-    assert TOOLS  # the requests below carry tools (chat() parses only then, and not for tool_choice "none")
+    # parse=True: the request had tools and tool_choice not "none" (chat() decides that)
     choice, err = gw._choice(0, gen("Adding." + ONE), True, parser, False)
     assert err is None and choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Adding."
     assert choice["message"]["tool_calls"][0]["function"]["name"] == "add"
