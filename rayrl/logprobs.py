@@ -191,6 +191,21 @@ class _TokenLogprobs(torch.autograd.Function):
             return None, *none
         if grad is None:
             grad = torch.zeros_like(lse)
+        if ctx.fused:  # the rows no gradient reaches (loss-masked tokens, sequences of zero advantage) are left out
+            # of the recomputed logits and the three GEMMs; their hidden states' gradient is zero (one host sync)
+            live = grad != 0 if grad_entropy is None else (grad != 0) | (grad_entropy != 0)
+            rows = live.nonzero()[:, 0]
+            if len(rows) < len(targets):
+                grad_live, grad_w = _TokenLogprobs._backward(
+                    ctx, x[rows], weight, targets[rows], lse[rows], [e[rows] for e in ent], grad[rows],
+                    None if grad_entropy is None else grad_entropy[rows])
+                return torch.zeros_like(x).index_copy_(0, rows, grad_live), grad_w, *none[1:]
+        grad_x, grad_w = _TokenLogprobs._backward(ctx, x, weight, targets, lse, ent, grad, grad_entropy)
+        return grad_x, grad_w, *none[1:]
+
+    @staticmethod
+    def _backward(ctx, x, weight, targets, lse, ent, grad, grad_entropy):
+        """The chunk loop of backward over the given rows -> (gradient of x, of the weight (fused) or None)."""
         k, t = ctx.kernels, ctx.temperature
         grad_x = torch.empty_like(x)
         if ctx.fused:
@@ -209,6 +224,4 @@ class _TokenLogprobs(torch.autograd.Function):
                 grad_x[sl] = d @ weight
                 part = d.t() @ x[sl]
                 grad_w = part.float() if grad_w is None else grad_w.add_(part)
-        if not ctx.fused:
-            return grad_x, *none
-        return grad_x, grad_w.to(weight.dtype), *none[1:]
+        return grad_x, None if not ctx.fused else grad_w.to(weight.dtype)

@@ -284,15 +284,17 @@ def make_qwen05(target: str, tok_from: str) -> str:
     return target
 
 
-def train_throughput(ln, lengths: list[int], prompt_len: int, vocab: int, steps: int = 3, profile: str = "") -> dict:
-    """Optimizer steps on sequences of the given lengths (random tokens); FLOPs of the work each token needs: every
-    weight matrix at every position except the lm_head, which only the response-predicting positions need (the
-    packed path computes it there only), plus causal attention within each sequence."""
+def train_throughput(ln, lengths: list[int], prompt_len: int, vocab: int, steps: int = 3, profile: str = "",
+                     dead: int = 0) -> dict:
+    """Optimizer steps on sequences of the given lengths (random tokens; advantages +-1, the first `dead` sequences'
+    0); FLOPs of the work each token needs: every weight matrix at every position except the lm_head, which only the
+    response-predicting positions need (the packed path computes it there only), plus causal attention within each
+    sequence."""
     vocab = min(vocab, ln.model.config.vocab_size)
     g = torch.Generator().manual_seed(0)
     ids = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
     b = _batch([s[:prompt_len] for s in ids], [s[prompt_len:] for s in ids],
-               adv=[1.0 if i % 2 else -1.0 for i in range(len(ids))])
+               adv=[0.0 if i < dead else 1.0 if i % 2 else -1.0 for i in range(len(ids))])
     cuda = torch.cuda.is_available()
     w0 = time.perf_counter()
     ln.train_step(b)  # warm-up (and, with learner.compile, the compilation)

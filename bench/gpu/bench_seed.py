@@ -1,12 +1,16 @@
 """Seed scale on one GPU (issue #14): the learner on the seed shapes at the seed lengths, one case per process.
 
     python bench/gpu/bench_seed.py CASE [--out DIR] [--label CODE] [--profile NAME]
-    CASE: shape:tie:ckpt:compile[:budget[:offload[:reshard]]]
+    CASE: shape:tie:ckpt:compile[:budget[:offload[:reshard[:head[:dead]]]]]
     e.g. qwen3-4b:tied:ckpt:compile   qwen3-4b:untied:nockpt:eager   qwen2.5-7b:-:ckpt:compile:18432:optimizer
     ckpt: ckpt | nockpt | keepattn (checkpointing that keeps the attention outputs:
           model.gradient_checkpointing_keep_attention)
     offload: - (none) | optimizer (learner.optimizer_offload: the AdamW state on the GPU for the step only)
     reshard: - (the learner's default) | reshard (learner.reshard_after_forward=true) | keep (false)
+    head: fused (the learner's: the lm_head inside the chunked log-prob kernel) | plain (the straightforward peer:
+          the [tokens x vocab] logits of the lm_head, then the same chunked log-probs)
+    dead: how many of the 4 sequences have advantage 0 (default 0): rows no gradient reaches, as in GRPO groups
+          whose rewards are all equal
 
 Random-init models of each shape (rayrl.models.make_model, built on the GPU, Qwen's tokenizer) train on 4 sequences
 of 2,048 prompt + 14,336 response tokens (random tokens, advantages +-1) in packed rows of at most `budget` tokens
@@ -61,6 +65,16 @@ def main() -> int:
     budget = int(rest[0]) if rest else 18432
     offload = rest[1] if len(rest) > 1 else "-"
     reshard = rest[2] if len(rest) > 2 else "-"
+    head = rest[3] if len(rest) > 3 else "fused"
+    dead = int(rest[4]) if len(rest) > 4 else 0
+    if head == "plain":  # LogprobHead calls the module's hidden_logprobs: the logits first, then the same kernels
+        import rayrl.logprobs as lp
+
+        def plain(hidden, weight, targets, temperature=1.0, compiled=False, entropy=False, chunk=lp.LOGPROB_CHUNK):
+            f = lp.token_logprobs_entropy if entropy else lp.token_logprobs
+            return f(hidden @ weight.t(), targets, temperature, compiled=compiled, chunk=chunk)
+
+        lp.hidden_logprobs = plain
     from rayrl.config import load_config
     from rayrl.learner import Learner
 
@@ -77,13 +91,14 @@ def main() -> int:
                              *([f"learner.reshard_after_forward={reshard == 'reshard'}"] if reshard != "-" else [])],
                       check_files=False)
     rec = {"case": args.case, "code": args.label, "shape": shape, "tie": tie, "ckpt": ckpt,
-           "compile": kind == "compile", "budget": budget, "lengths": lengths, "offload": offload, "reshard": reshard}
+           "compile": kind == "compile", "budget": budget, "lengths": lengths, "offload": offload, "reshard": reshard,
+           "head": head, "dead": dead}
     try:
         ln = Learner(path, cfg)
         rec["params"] = ln.setup()
         rec["tied_after_setup"] = ln.model.lm_head.weight is ln.model.model.embed_tokens.weight
         bench_engine.OUT = args.out  # where profile_step writes
-        rec.update(train_throughput(ln, lengths, prompt, 151_643, profile=args.profile))
+        rec.update(train_throughput(ln, lengths, prompt, 151_643, profile=args.profile, dead=dead))
     except torch.OutOfMemoryError as e:
         rec.update(error="out of memory", peak_mem_gib=torch.cuda.max_memory_allocated() / 2**30,
                    where=traceback.format_exc().strip().splitlines()[-3:], detail=str(e)[:300])

@@ -215,6 +215,42 @@ def test_fused_head_matches_float64_projection(compiled):
     assert torch.allclose(weight.grad.double(), wd.grad, atol=1e-4)
 
 
+@pytest.mark.parametrize("entropy", [False, True])
+def test_fused_head_backward_leaves_out_the_rows_no_gradient_reaches(entropy):
+    """Rows whose log-prob (and entropy) gradient is zero (loss-masked tokens, zero-advantage sequences) get a zero
+    hidden-state gradient without their logits being recomputed: the backward kernel sees the live rows only, and
+    the gradients equal the float64 reference."""
+    from rayrl import logprobs
+
+    g = torch.Generator().manual_seed(5)
+    n, h, v = 19, 8, 37
+    hidden = torch.randn(n, h, generator=g).requires_grad_()
+    weight = torch.randn(v, h, generator=g).requires_grad_()
+    targets = torch.randint(0, v, (n,), generator=g)
+    w_lp = torch.randn(n, generator=g) * (torch.arange(n) % 3 != 0)  # every third row dead
+    w_ent = w_lp.flip(0) if entropy else torch.zeros(n)  # with the entropy, a row is live if either reaches it
+    seen = []
+    k = logprobs._kernels(False)
+
+    def backward(out, logits, *rest):
+        seen.append(len(logits))
+        return (k.backward_entropy if entropy else k.backward)(out, logits, *rest)
+
+    kernels = logprobs._Kernels(k.forward, k.forward_entropy, backward, backward)
+    out = logprobs._TokenLogprobs.apply(hidden, weight, targets, 1.0, kernels, entropy, 4)
+    lp, ent = out if entropy else (out, None)
+    ((lp * w_lp).sum() + (0 if ent is None else (ent * w_ent).sum())).backward()
+    live = int(((w_lp != 0) | (w_ent != 0)).sum())
+    assert live < n and sum(seen) == live and max(seen) == 4
+    hd, wd = hidden.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    ls = (hd @ wd.t()).log_softmax(-1)
+    ref = (ls.gather(-1, targets[:, None])[:, 0] * w_lp).sum() + (-(ls.exp() * ls).sum(-1) * w_ent).sum()
+    ref.backward()
+    assert torch.allclose(hidden.grad.double(), hd.grad, atol=1e-5)
+    assert torch.allclose(weight.grad.double(), wd.grad, atol=1e-5)
+    assert torch.equal(hidden.grad[(w_lp == 0) & (w_ent == 0)], torch.zeros(n - live, h))
+
+
 def test_logprob_head_keeps_the_parameter_and_is_plain_when_unbound():
     from rayrl.logprobs import LogprobHead
 
