@@ -5,8 +5,8 @@ Actors are named by role and index (`rayrl/engine/0`, ...) so the Dashboard's Ac
 the architecture. Each role gets one placement group with a bundle per actor (`placement.*`): the
 strategy spreads or packs them over however many nodes the cluster has, and a role's custom resources
 pin it to the nodes that offer them. The queue (no CPU) stays on the driver's node. Engines and learners that
-each take a fraction of a GPU are colocated instead: one placement group `rayrl/gpu` with a bundle per GPU, engine i
-and learner rank i in bundle i (see `colocated`).
+each take a fraction of a GPU are colocated instead: one placement group `rayrl/gpu` with a bundle per GPU, learner
+rank r in bundle r with the engines that load from it (see `colocated`, `gpu_bundles`).
 """
 
 from __future__ import annotations
@@ -121,10 +121,12 @@ def reserve(cfg: Config) -> dict:
              "rollout": (r.num_workers, {"CPU": 0.25}, p.rollout_resources)}
     if cfg.sandbox.num_actors:
         roles["sandbox"] = (cfg.sandbox.num_actors, {"CPU": cfg.sandbox.cpus_per_actor}, p.sandbox_resources)
-    if colocated(cfg):  # one bundle per GPU: engine i and learner rank i share bundle i, so they share its GPU
-        extra = {k: p.engine_resources.get(k, 0) + p.learner_resources.get(k, 0)
-                 for k in {**p.engine_resources, **p.learner_resources}}
-        roles["gpu"] = (max(e.num_engines, lc.num_workers), {"CPU": 2, "GPU": 1}, extra)
+    if colocated(cfg):  # one bundle per GPU, shared by the learner rank and the engine(s) placed in it
+        n = gpu_bundles(cfg)
+        k = -(-e.num_engines // n)  # engines in a bundle
+        extra = {x: k * p.engine_resources.get(x, 0) + p.learner_resources.get(x, 0)
+                 for x in {**p.engine_resources, **p.learner_resources}}
+        roles["gpu"] = (n, {"CPU": 1 + k, "GPU": 1}, extra)
         del roles["engine"], roles["learner"]
     groups, wanted = {}, {}
     for role, (n, res, extra) in roles.items():
@@ -153,6 +155,32 @@ def colocated(cfg: Config) -> bool:
     engine i then runs on learner rank i's GPU (cuda_ipc weight sync). Otherwise each has GPUs of its own."""
     ge, gl = cfg.engine.gpus_per_engine, cfg.learner.gpus_per_worker
     return 0 < ge and 0 < gl and ge + gl <= 1
+
+
+def gpu_bundles(cfg: Config) -> int:
+    """Colocated: the GPUs of `rayrl/gpu`. One per learner rank when its engines fit on its GPU beside it (engine i
+    on rank i % ranks, the rank `cuda_ipc.serving_rank` loads it from: two engines of 0.2 and a rank of 0.5 on one
+    GPU); otherwise one per engine or rank, whichever are more, engine i beside rank i."""
+    e, lc = cfg.engine, cfg.learner
+    fits = -(-e.num_engines // lc.num_workers) * e.gpus_per_engine + lc.gpus_per_worker <= 1
+    return lc.num_workers if fits else max(e.num_engines, lc.num_workers)
+
+
+def engine_placement(cfg: Config, groups: dict, i: int) -> dict:
+    """Engine i's bundle: its own in `rayrl/engine`, or, colocated, the GPU bundle it shares (see `gpu_bundles`)."""
+    return _in(groups, "engine", i % gpu_bundles(cfg) if colocated(cfg) else i)
+
+
+def start_engines(cfg: Config, engines: list) -> list:
+    """Each engine's start: all at once, except engines that may share a GPU, which start one after another. vLLM
+    reads the GPU's free memory before and after its profiling run and fails if it grew meanwhile, as it does when a
+    neighbour finishes its own start (or goes to sleep)."""
+    ge, last, starts = cfg.engine.gpus_per_engine, {}, []
+    for i, eng in enumerate(engines):
+        gpu = i % gpu_bundles(cfg) if colocated(cfg) else 0 if 0 < ge < 1 else i  # fractions may be packed together
+        starts.append(eng.start.remote(last.get(gpu)))
+        last[gpu] = starts[-1]
+    return starts
 
 
 def _unique(groups: dict) -> list:
@@ -195,7 +223,7 @@ def start(cfg: Config, model_path: str) -> Actors:
     e = cfg.engine
     engines = [EngineActor.options(name=f"rayrl/engine/{i}", num_cpus=1, num_gpus=e.gpus_per_engine, **_RESTART,
                                    max_concurrency=1000, resources=cfg.placement.engine_resources,
-                                   **_in(groups, "engine", i), **_env(all_cores=e.gpus_per_engine == 0))
+                                   **engine_placement(cfg, groups, i), **_env(all_cores=e.gpus_per_engine == 0))
                .remote(model_path, e, cfg.model.dtype, cfg.trainer.seed + i, f"engine/{i}")
                for i in range(e.num_engines)]
     learners = _learners(cfg, model_path, groups, cfg.learner.gpus_per_worker)
@@ -212,7 +240,7 @@ def start(cfg: Config, model_path: str) -> Actors:
         # Engines and learners load in parallel; the learners rendezvous at rank 0's address. Engines that sleep
         # (engine.sleep_level) start first, at their gpu_memory_utilization of a still empty GPU, then sleep (level 1:
         # their weights are kept for the first wake) while the learners load.
-        starts = [eng.start.remote() for eng in engines]
+        starts = start_engines(cfg, engines)
         # Meanwhile the Gateway (it finds the engines by name) and the rollout workers, whose processes take seconds
         # to start (8 of them on a 16-core GPU host: created after the load, the first trajectory began 8.9 s into
         # step 1; created here, 0.8 s: bench/gpu/results/2026-12-05b and -05c); a worker only leases tasks, and the

@@ -55,7 +55,9 @@ class Engine:
         self._receivers: dict[str, weight_sync.Receiver] = {
             name: strategy.Receiver() for name, strategy in weight_sync.STRATEGIES.items()}
 
-    async def start(self) -> None:
+    async def start(self, after: None = None) -> None:
+        """`after`: another engine's start (an ObjectRef, which Ray resolves before this runs): engines that share
+        a GPU start one at a time (`cluster.start_engines`)."""
         self._backend = _VLLM(self) if self.cfg.backend == "vllm" else _HF(self)
         await self._backend.start()
 

@@ -33,8 +33,8 @@ def _place(cfg) -> tuple[list[list[str]], list[list[str]], str]:
     groups = cluster.reserve(cfg)
     e, lc = cfg.engine, cfg.learner
     try:
-        engines = [Probe.options(num_cpus=1, num_gpus=e.gpus_per_engine, **cluster._in(groups, "engine", i)).remote()
-                   for i in range(e.num_engines)]
+        engines = [Probe.options(num_cpus=1, num_gpus=e.gpus_per_engine, **cluster.engine_placement(cfg, groups, i))
+                   .remote() for i in range(e.num_engines)]
         learners = [Probe.options(num_cpus=1, num_gpus=lc.gpus_per_worker, **cluster._in(groups, "learner", r)).remote()
                     for r in range(lc.num_workers)]
         places = ray.get([p.place.remote() for p in learners + engines], timeout=120)
@@ -55,6 +55,48 @@ def test_colocated_engine_i_shares_learner_rank_is_gpu(four_gpus):
     assert engines == learners  # engine i on learner rank i's GPU
     assert len({g[0] for g in engines}) == 4  # one pair per GPU
     assert mode == "cuda_ipc"  # each engine loads from its own rank's buffer
+
+
+@pytest.mark.parametrize("engines, ranks, gpus", [(2, 1, 1), (4, 2, 2), (3, 2, 2), (3, 1, 3)])
+def test_colocated_engines_share_their_ranks_gpu_when_they_fit(four_gpus, engines, ranks, gpus):
+    """Engines of 0.2 GPU beside ranks of 0.5: two fit on each rank's GPU (the one-GPU job with two engines); three
+    beside one rank do not (0.6 + 0.5): then engine i is paired with GPU i, as with one engine a rank."""
+    cfg = load_config(None, [f"engine.num_engines={engines}", "engine.gpus_per_engine=0.2",
+                             f"learner.num_workers={ranks}", "learner.gpus_per_worker=0.5"], check_files=False)
+    assert cluster.colocated(cfg) and cluster.gpu_bundles(cfg) == gpus
+    placed, learners, mode = _place(cfg)
+    assert len({g[0] for g in placed + learners}) == gpus
+    if gpus == ranks:  # every engine on the GPU of the rank it loads from
+        assert [placed[i] for i in range(engines)] == [learners[i % ranks] for i in range(engines)]
+        assert mode == "cuda_ipc"
+
+
+@ray.remote
+class Starting:
+    """Stands in for an engine's start: records when it ran."""
+
+    def start(self, after=None):
+        import time
+
+        t0 = time.monotonic()
+        time.sleep(0.5)
+        return t0, time.monotonic()
+
+
+@pytest.mark.parametrize("overrides, serial, parallel", [
+    # engines 0 and 2 on rank 0's GPU, 1 and 3 on rank 1's
+    (["engine.num_engines=4", "engine.gpus_per_engine=0.2", "learner.num_workers=2", "learner.gpus_per_worker=0.5"],
+     [(0, 2), (1, 3)], [(0, 1), (2, 3)]),
+    (["engine.num_engines=2", "engine.gpus_per_engine=1", "learner.gpus_per_worker=1"], [], [(0, 1)]),
+])
+def test_engines_sharing_a_gpu_start_one_after_another(four_gpus, overrides, serial, parallel):
+    cfg = load_config(None, overrides, check_files=False)
+    spans = ray.get(cluster.start_engines(cfg, [Starting.remote() for _ in range(cfg.engine.num_engines)]),
+                    timeout=60)
+    for a, b in serial:  # b began after a ended
+        assert spans[b][0] >= spans[a][1]
+    for a, b in parallel:  # at once
+        assert spans[b][0] < spans[a][1] and spans[a][0] < spans[b][1]
 
 
 def test_separate_gpus_when_not_colocated(four_gpus):
