@@ -195,7 +195,7 @@ class _TokenLogprobs(torch.autograd.Function):
             # of the recomputed logits and the three GEMMs; their hidden states' gradient is zero (one host sync)
             live = grad != 0 if grad_entropy is None else (grad != 0) | (grad_entropy != 0)
             rows = live.nonzero()[:, 0]
-            if len(rows) < len(targets):
+            if len(rows) < len(targets) and len(rows) != 1:  # (one row: a size torch.compile would specialize on)
                 grad_live, grad_w = _TokenLogprobs._backward(
                     ctx, x[rows], weight, targets[rows], lse[rows], [e[rows] for e in ent], grad[rows],
                     None if grad_entropy is None else grad_entropy[rows])
