@@ -33,7 +33,7 @@ from rayrl.train import train  # noqa: E402
 from tests.chaos import roles  # noqa: E402
 from tests.helpers import LocalCluster  # noqa: E402
 
-ROLES = ["rayrl/rollout/0", "rayrl/reward/0", "rayrl/sandbox/0", "rayrl/queue", "rayrl/gateway", "rayrl/engine/0",
+ROLES = ["rayrl/rollout/0", "rayrl/reward/0", "rayrl/sandbox/0", "rayrl/queue", "rayrl/gateway/0", "rayrl/engine/0",
          "node"]
 WORKER = {"worker_node": 1}
 

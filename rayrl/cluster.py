@@ -90,10 +90,15 @@ class Actors:
     runs: list = field(default_factory=list)  # each worker's run() ref; it resolves when the worker stops or dies
     generation: list = field(default_factory=list)  # restarts per worker slot, for unique names
     groups: dict = field(default_factory=dict)  # role -> its placement group
-    gateway: object = None  # the OpenAI-compatible HTTP front of the engines; records every call per session
+    # the OpenAI-compatible HTTP fronts of the engines (gateway.num_gateways); each records its sessions' calls
+    gateways: list = field(default_factory=list)
     weight_sync: str = "object_store"  # engine.weight_sync resolved at start: object_store | cuda_ipc | broadcast
-    gateway_port: int | None = None  # the port it listens on: a restarted Gateway listens there again
+    gateway_ports: list = field(default_factory=list)  # where each listens: a restarted Gateway listens there again
     watch: object = None  # rayrl.recovery.Watch over the actors Ray restarts (queue, reward, engines, Gateway...)
+
+    def gateway(self, worker: int):
+        """The Gateway rollout worker `worker` and its sessions use."""
+        return self.gateways[worker % len(self.gateways)]
 
 
 # NVLink multicast off in NCCL, PyTorch and NVSHMEM: on shared multi-GPU hosts a program that uses it can put
@@ -245,12 +250,15 @@ def start(cfg: Config, model_path: str) -> Actors:
         # to start (8 of them on a 16-core GPU host: created after the load, the first trajectory began 8.9 s into
         # step 1; created here, 0.8 s: bench/gpu/results/2026-12-05b and -05c); a worker only leases tasks, and the
         # driver puts none in the queue before the start returns.
-        # The Gateway runs on the driver's node (the head under `ray job submit`): its URL is what agent services use.
+        # The Gateways run on the driver's node (the head under `ray job submit`): their URLs are what agent services
+        # use (each session's base_url names its Gateway).
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        actors.gateway = GatewayActor.options(name="rayrl/gateway", num_cpus=0, max_concurrency=10000, **_env(),
-                                              **_RESTART, scheduling_strategy=here).remote(
-            cfg, model_path, ByName([f"rayrl/engine/{i}" for i in range(len(engines))]))
-        listening = actors.gateway.start.remote()
+        g = cfg.gateway
+        actors.gateways = [GatewayActor.options(name=f"rayrl/gateway/{i}", num_cpus=0, max_concurrency=10000,
+                                                **_env(), **_RESTART, scheduling_strategy=here).remote(
+            cfg, model_path, ByName([f"rayrl/engine/{j}" for j in range(len(engines))]))
+            for i in range(g.num_gateways)]
+        listening = [gw.start.remote(port=g.port + i if g.port else 0) for i, gw in enumerate(actors.gateways)]
         for i in range(cfg.rollout.num_workers):
             actors.generation.append(0)
             actors.workers.append(None)
@@ -263,9 +271,10 @@ def start(cfg: Config, model_path: str) -> Actors:
         addr, port = ray.get(learners[0].address.remote(), timeout=120)
         _get([ln.setup.remote(addr, port) for ln in learners] + starts, timeout=e.sync_timeout + 600)
         actors.weight_sync = weight_sync.connect(cfg, learners, engines)  # + its setup (broadcast: the group)
-        url = ray.get(listening, timeout=120)
-        actors.gateway_port = int(url.rpartition(":")[2]) if cfg.gateway.enabled else None
-        actors.watch = recovery.Watch({"queue": queue, "gateway": actors.gateway, "reward": reward,
+        urls = ray.get(listening, timeout=120)
+        actors.gateway_ports = [int(u.rpartition(":")[2]) if g.enabled else None for u in urls]
+        actors.watch = recovery.Watch({"queue": queue, "reward": reward,
+                                       **{f"gateway/{i}": gw for i, gw in enumerate(actors.gateways)},
                                        **{f"engine/{i}": eng for i, eng in enumerate(engines)},
                                        **{f"sandbox/{i}": sbx for i, sbx in enumerate(sandboxes)}},
                                       cfg.trainer.recover_timeout)
@@ -326,7 +335,7 @@ def start_worker(actors: Actors, cfg: Config, i: int) -> None:
     w = RolloutActor.options(name=worker_name(i, gen), num_cpus=0.25, **_env(),
                              resources=cfg.placement.rollout_resources, **_in(actors.groups, "rollout", i),
                              max_concurrency=cfg.rollout.concurrency + 8).remote(
-        f"rollout/{i}.{gen}", cfg, actors.queue, actors.gateway, actors.reward, actors.sandboxes)
+        f"rollout/{i}.{gen}", cfg, actors.queue, actors.gateway(i), actors.reward, actors.sandboxes)
     actors.workers[i] = w
     actors.runs[i] = w.run.remote()
 
@@ -362,7 +371,7 @@ def shutdown(actors: Actors | None, starting: bool = False) -> None:
                 + [s.close.remote() for s in actors.sandboxes], timeout=30)
     except Exception:  # noqa: BLE001 - dying anyway; the kills below still run
         pass
-    for a in [*actors.workers, actors.gateway, actors.reward, *actors.engines, *actors.learners, *actors.sandboxes,
+    for a in [*actors.workers, *actors.gateways, actors.reward, *actors.engines, *actors.learners, *actors.sandboxes,
               actors.queue]:
         if a is not None:
             ray.kill(a, no_restart=True)

@@ -118,7 +118,11 @@ class EngineConfig:
 class GatewayConfig:
     enabled: bool = True  # False: no HTTP listener; ctx.llm reaches the Gateway actor through Ray calls
     host: str = "127.0.0.1"  # 0.0.0.0 to let agent services on other machines reach it
-    port: int = 8001  # 0 = any free port
+    port: int = 8001  # 0 = any free port; with several Gateways, Gateway i listens on port + i
+    # Gateway actors (shards); rollout worker i and its sessions use Gateway i % num_gateways. One Gateway is one
+    # event loop: ~4 ms of CPU per one-call episode on the 2-core CPU machine, a whole core at ~250 episodes/s
+    # (BENCHMARKS.md "CPU per episode in the Gateway")
+    num_gateways: int = 1
     model_name: str = "policy"  # the name /v1/models serves (the model path is accepted too)
     request_timeout: float = 600.0  # seconds one chat call may take, client and engine side
 
@@ -495,8 +499,11 @@ def validate(cfg: Config, check_files: bool = True) -> None:
                         ("learner.num_workers", lr.num_workers), ("learner.micro_batch_size", lr.micro_batch_size),
                         ("learner.ppo_epochs", lr.ppo_epochs), ("reward.num_procs", cfg.reward.num_procs),
                         ("data.max_prompt_length", cfg.data.max_prompt_length),
-                        ("trainer.val_n", t.val_n)]:
+                        ("trainer.val_n", t.val_n), ("gateway.num_gateways", cfg.gateway.num_gateways)]:
         _require(value >= 1, f"{name} must be >= 1, got {value}")
+    _require(cfg.gateway.num_gateways <= r.num_workers,
+             f"gateway.num_gateways={cfg.gateway.num_gateways} > rollout.num_workers={r.num_workers}: a Gateway "
+             "would have no rollout worker")
     _require(t.save_freq >= 0, f"trainer.save_freq must be >= 0, got {t.save_freq}")
     _require(t.save_interval_s >= 0, f"trainer.save_interval_s must be >= 0 (0 = off), got {t.save_interval_s}")
     _require(r.session_ttl is None or r.session_ttl > r.agent_timeout,

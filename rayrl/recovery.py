@@ -214,7 +214,8 @@ def recover(cfg, actors, restarted: list[str], tasks: list, version: int) -> Non
     for name in restarted:
         role = name.partition("/")[0]
         if role == "gateway":
-            ray.get(actors.gateway.start.remote(port=actors.gateway_port), timeout=120)
+            i = int(name.partition("/")[2])
+            ray.get(actors.gateways[i].start.remote(port=actors.gateway_ports[i]), timeout=120)
         elif role == "queue" and tasks:
             ray.get(actors.queue.put.remote(tasks), timeout=60)
         what = {"engine": f"started, weights of policy version {version} pushed", "gateway": "listening again",

@@ -17,7 +17,7 @@ from tests.helpers import tiny_overrides, wait_until
 
 pytestmark = pytest.mark.chaos
 
-FAULTS = ["rayrl/rollout/0", "rayrl/reward/0", "rayrl/sandbox/0", "rayrl/queue", "rayrl/gateway", "rayrl/engine/0"]
+FAULTS = ["rayrl/rollout/0", "rayrl/reward/0", "rayrl/sandbox/0", "rayrl/queue", "rayrl/gateway/0", "rayrl/engine/0"]
 HANG = {"s0/p0/0": "agent", "s0/p1/0": "reward", "s0/p2/0": "sandbox"}
 
 

@@ -126,6 +126,32 @@ def test_killed_rollout_worker_loses_no_task(tiny_model, ray_cluster):
         cluster.shutdown(actors)
 
 
+def test_two_gateways_each_serve_their_workers_sessions(tiny_model, ray_cluster):
+    """gateway.num_gateways=2: two Gateway actors on their own ports; rollout worker i's episodes go through Gateway
+    i % 2 (each records the turns of its workers' sessions), and every task of the step completes."""
+    from rayrl import cluster
+    from rayrl.train import Feeder, collect
+
+    cfg = load_config(None, tiny_overrides(tiny_model, "/tmp/unused", **{
+        "rollout.num_workers": 2, "gateway.num_gateways": 2, "rollout.concurrency": 4}))
+    actors = cluster.start(cfg, tiny_model)
+    try:
+        assert [ray.get_actor(f"rayrl/gateway/{i}") for i in range(2)]
+        assert len(set(actors.gateway_ports)) == 2
+        data = DataIterator(load_rows(cfg.data.source, 50, 0, cfg.data.gym_kwargs, None), cfg.trainer.batch_size, 0)
+        feeder = Feeder(cfg, actors.queue, data, start=0)
+        feeder.fill(until=0, version=0)
+        trajs = collect(cfg, actors, feeder.expected[0], 0, {})
+        assert sorted(t.task_id for t in trajs) == sorted(feeder.expected[0])
+        assert all(t.error is None for t in trajs), [t.error for t in trajs if t.error]
+        per_worker = {w: sum(t.worker == w for t in trajs) for w in ("rollout/0.0", "rollout/1.0")}
+        turns = [ray.get(gw.stats.remote(), timeout=30)["recorded_turns"] for gw in actors.gateways]
+        assert turns == [per_worker["rollout/0.0"], per_worker["rollout/1.0"]], (turns, per_worker)
+        assert all(turns)  # both served
+    finally:
+        cluster.shutdown(actors)
+
+
 def test_failed_agent_is_recorded_and_run_goes_on(tiny_model, ray_cluster, tmp_path):
     """An agent that raises yields failed trajectories with the exception text; the step still trains."""
     from rayrl import cluster
