@@ -7,6 +7,8 @@
 set -uo pipefail
 run=${1:?RUN}; out=$(realpath -m "${2:?OUT}"); root=${3:-.}; shift $(($# < 3 ? $# : 3))
 here=$(cd "$(dirname "$0")" && pwd); a=$out/$run; mkdir -p "$a"
+command -v py-spy > /dev/null || for x in .gpu-bundles/extra/py_spy-*.whl; do  # (carry .gpu-bundles/extra)
+  [ -e "$x" ] && python3 -m pip install -q --no-index --no-deps --target /tmp/site "$x"; done
 (cd "$root" && python3 -c "import rayrl; print('rayrl from', rayrl.__file__)") | tee "$out/$run.log"
 bash "$here/pyspy_during.sh" "$a/pyspy" "$a/$run/metrics.jsonl" "${PROFILE_STEP:-5}" 10 &
 (cd "$root" && RUNS=$run STEPS=${STEPS:-16} RUN_TIMEOUT=${RUN_TIMEOUT:-300} bash bench/gpu/async_gpu.sh "$a" "$@") \
