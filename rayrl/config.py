@@ -121,7 +121,8 @@ class GatewayConfig:
     port: int = 8001  # 0 = any free port; with several Gateways, Gateway i listens on port + i
     # Gateway actors (shards); rollout worker i and its sessions use Gateway i % num_gateways. One Gateway is one
     # event loop: ~4 ms of CPU per one-call episode on the 2-core CPU machine, a whole core at ~250 episodes/s
-    # (BENCHMARKS.md "CPU per episode in the Gateway")
+    # (BENCHMARKS.md "CPU per episode in the Gateway"). An agent service must then use its episode's session URL
+    # (ctx.llm's base URL), not a fixed http://HOST:port/v1, which reaches Gateway 0's sessions only
     num_gateways: int = 1
     model_name: str = "policy"  # the name /v1/models serves (the model path is accepted too)
     request_timeout: float = 600.0  # seconds one chat call may take, client and engine side
@@ -504,6 +505,10 @@ def validate(cfg: Config, check_files: bool = True) -> None:
     _require(cfg.gateway.num_gateways <= r.num_workers,
              f"gateway.num_gateways={cfg.gateway.num_gateways} > rollout.num_workers={r.num_workers}: a Gateway "
              "would have no rollout worker")
+    _require(cfg.gateway.num_gateways == 1 or r.agent != "rayrl.agents.http_service:agent",
+             f"gateway.num_gateways={cfg.gateway.num_gateways}: rollout.agent={r.agent!r} calls a service that "
+             "reaches one Gateway at a fixed URL, which binds its requests to that Gateway's sessions only; keep one "
+             "Gateway")
     _require(t.save_freq >= 0, f"trainer.save_freq must be >= 0, got {t.save_freq}")
     _require(t.save_interval_s >= 0, f"trainer.save_interval_s must be >= 0 (0 = off), got {t.save_interval_s}")
     _require(r.session_ttl is None or r.session_ttl > r.agent_timeout,
