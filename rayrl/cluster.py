@@ -157,7 +157,8 @@ def _wait_ready(groups: dict, wanted: dict, p) -> None:
 
 def colocated(cfg: Config) -> bool:
     """Engines and learners share GPUs when both take a fraction of one that fits next to the other (0.4 + 0.5):
-    engine i then runs on learner rank i's GPU (cuda_ipc weight sync). Otherwise each has GPUs of its own."""
+    engine i then runs on learner rank i % ranks' GPU (cuda_ipc weight sync; see `gpu_bundles`). Otherwise each has GPUs
+    of its own."""
     ge, gl = cfg.engine.gpus_per_engine, cfg.learner.gpus_per_worker
     return 0 < ge and 0 < gl and ge + gl <= 1
 

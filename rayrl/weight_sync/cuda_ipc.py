@@ -41,7 +41,7 @@ class IpcHandle:
 
 
 def serving_rank(engine: int, world_size: int) -> int:
-    """The learner rank whose GPU buffer engine `engine` loads from (colocated: engine i, rank i)."""
+    """The learner rank whose GPU buffer engine `engine` loads from (colocated: engine i on rank i % ranks' GPU)."""
     return engine % world_size
 
 

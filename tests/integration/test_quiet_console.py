@@ -104,7 +104,7 @@ def test_tiny_run_console_has_rayrl_lines_only(tiny_model, tmp_path):
     assert not noisy, noisy
     logs = out / "logs"
     names = {f.name for f in logs.iterdir()}
-    assert {"engine-0.log", "learner-0.log", "reward-0.log", "queue.log", "gateway.log", "rollout-0.log"} <= names
+    assert {"engine-0.log", "learner-0.log", "reward-0.log", "queue.log", "gateway-0.log", "rollout-0.log"} <= names
     assert "vllm" in (logs / "engine-0.log").read_text().lower()
 
 
