@@ -172,9 +172,13 @@ def gpu_bundles(cfg: Config) -> int:
     return lc.num_workers if fits else max(e.num_engines, lc.num_workers)
 
 
-def engine_placement(cfg: Config, groups: dict, i: int) -> dict:
+def engine_bundle(cfg: Config, i: int) -> int:
     """Engine i's bundle: its own in `rayrl/engine`, or, colocated, the GPU bundle it shares (see `gpu_bundles`)."""
-    return _in(groups, "engine", i % gpu_bundles(cfg) if colocated(cfg) else i)
+    return i % gpu_bundles(cfg) if colocated(cfg) else i
+
+
+def engine_placement(cfg: Config, groups: dict, i: int) -> dict:
+    return _in(groups, "engine", engine_bundle(cfg, i))
 
 
 def start_engines(cfg: Config, engines: list) -> list:
@@ -183,7 +187,8 @@ def start_engines(cfg: Config, engines: list) -> list:
     neighbour finishes its own start (or goes to sleep)."""
     ge, last, starts = cfg.engine.gpus_per_engine, {}, []
     for i, eng in enumerate(engines):
-        gpu = i % gpu_bundles(cfg) if colocated(cfg) else 0 if 0 < ge < 1 else i  # fractions may be packed together
+        # colocated: its GPU bundle; fractions of a GPU otherwise may be packed onto one GPU: all one after another
+        gpu = engine_bundle(cfg, i) if colocated(cfg) or not 0 < ge < 1 else 0
         starts.append(eng.start.remote(last.get(gpu)))
         last[gpu] = starts[-1]
     return starts
