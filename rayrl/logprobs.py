@@ -208,9 +208,12 @@ class _TokenLogprobs(torch.autograd.Function):
         """The chunk loop of backward over the given rows -> (gradient of x, of the weight (fused) or None)."""
         k, t = ctx.kernels, ctx.temperature
         grad_x = torch.empty_like(x)
-        if ctx.fused:
-            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if len(targets) == 0 else None
-            # (summed over chunks in fp32, each chunk's GEMM in the weight's dtype; no rows: a zero gradient)
+        if ctx.fused:  # the weight's gradient is summed over chunks in fp32 (no rows: a zero gradient). On CUDA with
+            # 16-bit weights, cuBLAS adds each chunk's GEMM into it directly; elsewhere each chunk's GEMM is in the
+            # weight's dtype and added after
+            into = x.is_cuda and weight.dtype in (torch.bfloat16, torch.float16)
+            zero = into or not len(targets)
+            grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=x.device) if zero else None
             buf = torch.empty(min(ctx.chunk, len(targets)), weight.shape[0], dtype=weight.dtype, device=x.device)
         for s in range(0, len(targets), ctx.chunk):
             sl = slice(s, s + ctx.chunk)
@@ -222,6 +225,9 @@ class _TokenLogprobs(torch.autograd.Function):
                 k.backward_entropy(d, logits, targets[sl], lse[sl], ent[0][sl], grad[sl], grad_entropy[sl], t)
             if ctx.fused:
                 grad_x[sl] = d @ weight
-                part = d.t() @ x[sl]
-                grad_w = part.float() if grad_w is None else grad_w.add_(part)
+                if into:
+                    torch.addmm(grad_w, d.t(), x[sl], out_dtype=torch.float32, out=grad_w)
+                else:
+                    part = d.t() @ x[sl]
+                    grad_w = part.float() if grad_w is None else grad_w.add_(part)
         return grad_x, None if not ctx.fused else grad_w.to(weight.dtype)
