@@ -224,8 +224,9 @@ class LocalBackend:
                           error)
 
     def cleanup(self, slot: int):
-        """As root, kill every process left with the slot's uid (a run may setsid out of its process group)."""
-        if not self.isolation["uid"]:
+        """As root, kill every process left with the slot's uid (a run may setsid out of its process group): None
+        when there is none (the usual case, known by one syscall), else the future of the reaper, in a thread."""
+        if not self.isolation["uid"] or not _has_processes(self.uid(slot)):
             return None
         return asyncio.get_running_loop().run_in_executor(None, _reap_uid, self.uid(slot))
 
@@ -367,7 +368,7 @@ def _reap_uid(uid: int) -> None:
     the task is cancelled). kill(-1) from a child that became `uid` reaches exactly that uid's processes."""
     import subprocess
 
-    if not _has_processes(uid):  # the usual case: a stat per process is far cheaper than forking a reaper
+    if not _has_processes(uid):  # (gone meanwhile)
         return
 
     def kill_all() -> None:  # in the forked child, before exec
@@ -381,14 +382,14 @@ def _reap_uid(uid: int) -> None:
 
 
 def _has_processes(uid: int) -> bool:
-    for name in os.listdir("/proc"):
-        if name.isdigit():
-            try:
-                if os.stat(f"/proc/{name}").st_uid == uid:
-                    return True
-            except OSError:
-                pass  # gone meanwhile
-    return False
+    """Whether any process (zombies included) has the real uid `uid`: getpriority(PRIO_USER) fails with ESRCH when
+    none does. One syscall (the kernel walks its task list), where a stat of every /proc entry, after each run, was
+    44% of a rollout worker's py-spy samples on a GPU host with ~400 processes."""
+    try:
+        os.getpriority(os.PRIO_USER, uid)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 class _Preexec:

@@ -107,6 +107,39 @@ def test_a_process_that_leaves_the_group_is_reaped() -> None:
     assert procs_of_uid(uids[0]) == []  # the uid reaper killed the escaped sleep
 
 
+@needs_uid
+def test_has_processes_sees_a_uid_process_until_it_is_reaped() -> None:
+    """The reaper's check (getpriority(PRIO_USER), one syscall): a forked process that setuid to a uid counts, also
+    as a zombie, until its parent waits for it."""
+    import signal
+
+    from rayrl.sandbox.local import _has_processes
+
+    uid = 61234
+    assert not _has_processes(uid)
+    pid = os.fork()
+    if pid == 0:  # the child: no exec, as the zygote's runs
+        try:
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+            time.sleep(30)
+        finally:
+            os._exit(0)
+    try:
+        deadline = time.monotonic() + 5
+        while not _has_processes(uid) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert _has_processes(uid)
+        os.kill(pid, signal.SIGKILL)
+        time.sleep(0.2)
+        assert _has_processes(uid)  # killed, not yet waited for: a zombie, which still counts
+    finally:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    assert not _has_processes(uid)
+
+
 def test_10gb_allocation_fails_inside() -> None:
     res, _ = run("x = bytearray(10 * 1024**3)\nprint('allocated')", memory_mb=512)
     assert res.exit_code != 0 and "allocated" not in res.stdout
