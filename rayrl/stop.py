@@ -1,6 +1,7 @@
 """Stopping a driver by signal: SIGTERM (what `ray job stop` and Kubernetes send) and SIGINT (Ctrl-C) become a `Stopped`
 exception in the main thread, so the driver's `finally` stops the actors, writes the trace and closes the logger, and
-`rayrl` prints one line and exits 128 + the signal (143, 130).
+`rayrl` prints one line and exits 128 + the signal (143, 130). A second signal during that exits at once, with the
+local Ray the driver started.
 
 `install` must run after `ray.init()`, which installs handlers of its own (a local cluster's kills the node and exits
 1; Ray's driver handler calls sys.exit); `cluster.connect` calls it.
@@ -8,7 +9,9 @@ exception in the main thread, so the driver's `finally` stops the actors, writes
 
 from __future__ import annotations
 
+import os
 import signal
+import sys
 import threading
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -41,8 +44,23 @@ def install() -> None:
 def _raise(signum: int, frame) -> None:
     # The first signal unwinds (the cleanup takes seconds); a second one ends the process at once.
     for sig in SIGNALS:
-        signal.signal(sig, signal.SIG_DFL)
+        signal.signal(sig, _now)
     raise Stopped(signum)
+
+
+def _now(signum: int, frame) -> None:
+    """A second signal: exit 128 + signum now, killing the local Ray this driver started on the way (its raylet, GCS,
+    agents and workers outlive a plain exit). A driver that joined a cluster started nothing: the cluster ends its
+    actors when the driver is gone."""
+    sys.stderr.write(f"rayrl: {signal.Signals(signum).name} again: exiting now\n")
+    sys.stderr.flush()
+    node = getattr(sys.modules.get("ray._private.worker"), "_global_node", None)
+    if node is not None:
+        try:
+            node.kill_all_processes(check_alive=False, allow_graceful=False, wait=False)
+        except Exception:  # noqa: BLE001 - exiting either way
+            pass
+    os._exit(128 + signum)
 
 
 def found(exc: BaseException) -> Stopped | None:

@@ -1,6 +1,7 @@
 """Clean shutdown: a driver killed with SIGKILL mid-step leaves no rayrl actor, no engine-core subprocess,
 no reward pool process (the seed's `pkill -9 -f ray::WorkerDict` must never be needed); SIGTERM and Ctrl-C end a run
-with one line, exit 143 / 130, the trace written and nothing left; the test cluster's stop() leaves no process."""
+with one line, exit 143 / 130, the trace written and nothing left, a second Ctrl-C at once; the test cluster's stop()
+leaves no process."""
 
 from __future__ import annotations
 
@@ -85,6 +86,43 @@ def test_signal_mid_run_stops_cleanly(sig, tiny_model, tmp_path):
         assert f"(last checkpoint: {out}/checkpoints/step_" in last[-1], last[-1]
         assert "Traceback" not in text, text[-3000:]
         assert (out / "trace.json").is_file()
+        wait_until(lambda: not _alive(seen), timeout=30)
+        assert not _alive(seen), _alive(seen)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+
+
+def test_a_second_ctrl_c_ends_at_once_and_leaves_no_process(tiny_model, tmp_path):
+    """Ctrl-C twice in step 2 (an impatient user): the second one ends the driver at once, exit 130, and takes the
+    local Ray it started along (raylet, GCS, agents, actors, engine cores), which a plain exit would leave running."""
+    env = {**os.environ, "PYTHONPATH": ROOT, "PYTHONUNBUFFERED": "1"}
+    env.pop("RAY_ADDRESS", None)
+    args = tiny_overrides(tiny_model, str(tmp_path / "run"), **{"trainer.total_steps": 20})
+    log = open(tmp_path / "driver.log", "w")
+    driver = subprocess.Popen([sys.executable, "-m", "rayrl", "train", *args], env=env, cwd=tmp_path, stdout=log,
+                              stderr=subprocess.STDOUT)
+    try:
+        seen: dict[int, float] = {}
+
+        def step_done():
+            for p in psutil.Process(driver.pid).children(recursive=True):
+                try:
+                    seen.setdefault(p.pid, p.create_time())
+                except psutil.Error:
+                    pass
+            return "step 1: reward" in (tmp_path / "driver.log").read_text() or driver.poll() is not None
+
+        assert wait_until(step_done, timeout=400, interval=1.0), (tmp_path / "driver.log").read_text()[-3000:]
+        assert driver.poll() is None, (tmp_path / "driver.log").read_text()[-3000:]
+        os.kill(driver.pid, signal.SIGINT)
+        time.sleep(0.5)  # the first one is unwinding the run
+        os.kill(driver.pid, signal.SIGINT)
+        t0 = time.monotonic()
+        rc = driver.wait(timeout=30)
+        assert time.monotonic() - t0 < 10, time.monotonic() - t0
+        text = (tmp_path / "driver.log").read_text()
+        assert rc == 130 and "rayrl: SIGINT again: exiting now" in text, text[-3000:]
         wait_until(lambda: not _alive(seen), timeout=30)
         assert not _alive(seen), _alive(seen)
     finally:

@@ -42,20 +42,27 @@ def driver(cfg):
         stopped.step = step
         raise stopped from None
     finally:
+        print("unwinding", flush=True)
+        time.sleep({unwind})  # the actors' stop, the trace
         open(os.path.join(cfg.trainer.output_dir, "finally-ran"), "w").close()
 
 sys.exit(run_driver(driver, load_config(None, ["trainer.output_dir={out}"], check_files=False)))
 """
 
 
-def _run(tmp_path, sig: int, install: bool = True, wrap: bool = False) -> tuple[int, str]:
-    code = DRIVER.format(out=tmp_path, install="stop.install()" if install else "", wrap=wrap)
+def _run(tmp_path, sig: int, install: bool = True, wrap: bool = False, again: bool = False) -> tuple[int, str]:
+    """Run DRIVER, signal it once ready (with `again`, once more while it unwinds) -> (exit code, stderr)."""
+    code = DRIVER.format(out=tmp_path, install="stop.install()" if install else "", wrap=wrap,
+                         unwind=30 if again else 0)
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                          env={**os.environ, "PYTHONPATH": ROOT})
     assert p.stdout.readline().strip() == "ready", p.communicate()
     time.sleep(0.2)
     p.send_signal(sig)
-    _, err = p.communicate(timeout=60)
+    if again:
+        assert p.stdout.readline().strip() == "unwinding"
+        p.send_signal(sig)
+    _, err = p.communicate(timeout=20)  # (an unwinding that `again` did not cut short takes 30 s)
     return p.returncode, err
 
 
@@ -76,3 +83,11 @@ def test_ctrl_c_before_ray_started_is_one_line(tmp_path):
     rc, err = _run(tmp_path, signal.SIGINT, install=False)
     assert rc == 130 and err.strip().splitlines() == ["rayrl: stopped by SIGINT before the run started"], err
     assert (tmp_path / "finally-ran").exists()
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_second_signal_while_unwinding_exits_at_once(tmp_path, sig):
+    rc, err = _run(tmp_path, sig, again=True)
+    assert rc == 128 + sig, err
+    assert err.strip().splitlines() == [f"rayrl: {sig.name} again: exiting now"], err
+    assert not (tmp_path / "finally-ran").exists()  # cut short
