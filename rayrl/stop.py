@@ -49,15 +49,16 @@ def _raise(signum: int, frame) -> None:
 
 
 def _now(signum: int, frame) -> None:
-    """A second signal: exit 128 + signum now, killing the local Ray this driver started on the way (its raylet, GCS,
-    agents and workers outlive a plain exit). A driver that joined a cluster started nothing: the cluster ends its
-    actors when the driver is gone."""
+    """A second signal: exit 128 + signum now, stopping the local Ray this driver started on the way (its raylet, GCS,
+    agents and workers outlive a plain exit): SIGTERM, up to 1 s each, then SIGKILL. A SIGKILLed raylet leaves its
+    dashboard and runtime-env agents running (seen in tests/e2e/test_shutdown.py); a SIGTERMed one stops them. A
+    driver that joined a cluster started nothing: the cluster ends its actors when the driver is gone."""
     sys.stderr.write(f"rayrl: {signal.Signals(signum).name} again: exiting now\n")
     sys.stderr.flush()
     node = getattr(sys.modules.get("ray._private.worker"), "_global_node", None)
     if node is not None:
         try:
-            node.kill_all_processes(check_alive=False, allow_graceful=False, wait=False)
+            node.kill_all_processes(check_alive=False, allow_graceful=True, wait=False)
         except Exception:  # noqa: BLE001 - exiting either way
             pass
     os._exit(128 + signum)

@@ -53,14 +53,8 @@ def test_sigkill_driver_mid_step_leaves_no_process(tiny_model, tmp_path):
 def test_signal_mid_run_stops_cleanly(sig, tiny_model, tmp_path):
     """`rayrl train` on its own local Ray gets SIGTERM / SIGINT in step 2: the actors stop, the trace is written, one
     line names the signal, the step and the last checkpoint, exit 128 + signal, and none of its processes is left."""
-    env = {**os.environ, "PYTHONPATH": ROOT, "PYTHONUNBUFFERED": "1"}
-    env.pop("RAY_ADDRESS", None)
     out = tmp_path / "run"
-    args = tiny_overrides(tiny_model, str(out), **{"trainer.total_steps": 20, "trainer.save_freq": 1,
-                                                   "trainer.export_hf": False})
-    log = open(tmp_path / "driver.log", "w")
-    driver = subprocess.Popen([sys.executable, "-m", "rayrl", "train", *args], env=env, cwd=tmp_path, stdout=log,
-                              stderr=subprocess.STDOUT)
+    driver = _train(tiny_model, tmp_path, **{"trainer.save_freq": 1, "trainer.export_hf": False})
     try:
         seen: dict[int, float] = {}
         titles: dict[int, str] = {}  # the latest: a process sets its title (VLLM::EngineCore) after it starts
@@ -96,12 +90,7 @@ def test_signal_mid_run_stops_cleanly(sig, tiny_model, tmp_path):
 def test_a_second_ctrl_c_ends_at_once_and_leaves_no_process(tiny_model, tmp_path):
     """Ctrl-C twice in step 2 (an impatient user): the second one ends the driver at once, exit 130, and takes the
     local Ray it started along (raylet, GCS, agents, actors, engine cores), which a plain exit would leave running."""
-    env = {**os.environ, "PYTHONPATH": ROOT, "PYTHONUNBUFFERED": "1"}
-    env.pop("RAY_ADDRESS", None)
-    args = tiny_overrides(tiny_model, str(tmp_path / "run"), **{"trainer.total_steps": 20})
-    log = open(tmp_path / "driver.log", "w")
-    driver = subprocess.Popen([sys.executable, "-m", "rayrl", "train", *args], env=env, cwd=tmp_path, stdout=log,
-                              stderr=subprocess.STDOUT)
+    driver = _train(tiny_model, tmp_path)
     try:
         seen: dict[int, float] = {}
 
@@ -135,12 +124,7 @@ def test_sigint_while_the_engine_starts_leaves_no_engine_core(tiny_model, tmp_pa
     processes left. Before, the driver noticed the signal only once the engines had loaded, waited out a 30 s timeout
     on learners still loading, then killed the engine actor, whose VLLM::EngineCore could live on (with its KV
     cache): 33.7 s and an orphan for the default job on the 2-core machine, 6.5 s and none since."""
-    env = {**os.environ, "PYTHONPATH": ROOT, "PYTHONUNBUFFERED": "1"}
-    env.pop("RAY_ADDRESS", None)
-    args = tiny_overrides(tiny_model, str(tmp_path / "run"), **{"trainer.total_steps": 20})
-    log = open(tmp_path / "driver.log", "w")
-    driver = subprocess.Popen([sys.executable, "-m", "rayrl", "train", *args], env=env, cwd=tmp_path, stdout=log,
-                              stderr=subprocess.STDOUT)
+    driver = _train(tiny_model, tmp_path)
     try:
         seen: dict[int, float] = {}
 
@@ -180,6 +164,17 @@ def test_cluster_stop_stops_every_process_it_started():
     finally:
         cluster.stop()
     assert not _alive(procs), _alive(procs)
+
+
+def _train(tiny_model: str, tmp_path, **overrides) -> subprocess.Popen:
+    """`rayrl train` of the tiny job (20 steps) on a local Ray of its own, output in tmp_path/run, console in
+    tmp_path/driver.log."""
+    env = {**os.environ, "PYTHONPATH": ROOT, "PYTHONUNBUFFERED": "1"}
+    env.pop("RAY_ADDRESS", None)
+    args = tiny_overrides(tiny_model, str(tmp_path / "run"), **{"trainer.total_steps": 20, **overrides})
+    log = open(tmp_path / "driver.log", "w")
+    return subprocess.Popen([sys.executable, "-m", "rayrl", "train", *args], env=env, cwd=tmp_path, stdout=log,
+                            stderr=subprocess.STDOUT)
 
 
 def _alive(pids: dict[int, float]) -> list[str]:
