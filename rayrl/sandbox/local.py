@@ -384,7 +384,7 @@ def _reap_uid(uid: int) -> None:
 def _has_processes(uid: int) -> bool:
     """Whether any process (zombies included) has the real uid `uid`: getpriority(PRIO_USER) fails with ESRCH when
     none does. One syscall (the kernel walks its task list), where a stat of every /proc entry, after each run, was
-    44% of a rollout worker's py-spy samples on a GPU host with ~400 processes."""
+    40-59% of a rollout worker's py-spy samples on a GPU host with ~400 processes."""
     try:
         os.getpriority(os.PRIO_USER, uid)
     except ProcessLookupError:
