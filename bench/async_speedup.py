@@ -3,7 +3,8 @@
 process each, in the same call. Per run: training wall time (the steps' `time/step_s`, validation excluded),
 its ratio to the synchronous run of this call, the accelerator-busy share (`busy_share_from_trace`; without a
 trace, generate + learner + weight sync from the step lines' phase shares), the policy-version span within
-trajectories, and the final validation accuracy (one validation after the last step).
+trajectories, the final validation accuracy (one validation after the last step), and the span of one batch's
+generation (`batch_span`: what a staleness-k step waits on, while the update is the rest of it).
 
     python bench/async_speedup.py                                  # jobs/retool_tiny.yaml (the SFT'd tiny model)
     python bench/async_speedup.py --runs s0,s1p --steps 3 -- rollout.n=2
@@ -39,14 +40,18 @@ def run_overrides(name: str) -> list[str]:
             *(["engine.keep_kv_on_sync=true"] if keep else [])]
 
 
-def summarize(metrics_path: str) -> dict:
-    """The figures of one run from its metrics.jsonl."""
+def staleness_of(name: str) -> int:
+    return int(run_overrides(name)[0].partition("=")[2])
+
+
+def summarize(metrics_path: str, staleness: int = 0) -> dict:
+    """The figures of one run from its metrics.jsonl (`staleness`: the run's algo.max_staleness)."""
     with open(metrics_path) as f:
         steps = [m for m in map(json.loads, f) if m.get("step", 0) > 0 and "time/step_s" in m]
     if not steps:
         return {}
     def wall(part: list[dict]) -> float:
-        return sum(m["time/step_s"] - m.get("time/val_s", 0.0) for m in part)
+        return sum(map(wall_s, part))
 
     busy = [m.get("time/share_generate", 0) + m.get("time/share_learner", 0) + m.get("time/share_sync", 0)
             for m in steps]
@@ -59,7 +64,24 @@ def summarize(metrics_path: str) -> dict:
             "reward": steps[-1].get("reward/mean"), "val_acc": acc,
             # where a tool job's rollout waits: a sandbox call (slot wait included), the run alone, the worker's loop
             "sandbox_call_s": _mean(steps, "sandbox/latency_s"), "sandbox_run_s": _mean(steps, "sandbox/run_s"),
-            "loop_lag_ms": _mean(steps, "rollout/loop_lag_mean_s", scale=1000)}
+            "loop_lag_ms": _mean(steps, "rollout/loop_lag_mean_s", scale=1000),
+            "batch_span_s": batch_span(steps, staleness)}
+
+
+def batch_span(steps: list[dict], staleness: int, min_wait: float = 0.1) -> float | None:
+    """The mean span of one batch's generation, from its tasks entering the queue to its last group, over steps 2..n-1
+    that waited for their batch (`min_wait` s or more). The driver puts batch j in the queue when step j - staleness
+    starts (rayrl.train's `feeder.fill`), and step j's rollout wait ends when the batch's last group is in, so the
+    span is the `staleness` steps before j plus j's wait. Synchronous (0): the rollout time. When every step waits,
+    steps settle at (span + the rest of a step) / (staleness + 1) (BENCHMARKS.md, twelfth session's async runs)."""
+    spans = [sum(wall_s(m) for m in steps[j - staleness : j]) + steps[j]["time/rollout_s"]
+             for j in range(max(1, staleness), len(steps) - 1) if steps[j].get("time/rollout_s", 0.0) >= min_wait]
+    return sum(spans) / len(spans) if spans else None
+
+
+def wall_s(m: dict) -> float:
+    """One step's training wall: its time less validation."""
+    return m["time/step_s"] - m.get("time/val_s", 0.0)
 
 
 def busy_share_from_trace(path: str) -> float | None:
@@ -142,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"async_speedup: {name}: stopped after --timeout {a.timeout:.0f} s", flush=True)
         row = {"run": name, "rc": rc, "process_s": time.perf_counter() - t0}
         metrics = os.path.join(out, "metrics.jsonl")
-        row.update(summarize(metrics) if os.path.exists(metrics) else {})
+        row.update(summarize(metrics, staleness_of(name)) if os.path.exists(metrics) else {})
         trace_path = os.path.join(out, "trace.json")
         if row.get("steps") and os.path.exists(trace_path):
             row["busy_share_phases"] = row["busy_share"]
@@ -161,7 +183,8 @@ def stored(out: str, name: str) -> dict:
     if os.path.exists(results := os.path.join(out, "results.jsonl")):
         with open(results) as f:
             rcs = {r["run"]: r["rc"] for r in map(json.loads, f)}
-    row = {"run": name, "rc": rcs.get(name, "-"), **summarize(os.path.join(out, name, "metrics.jsonl"))}
+    row = {"run": name, "rc": rcs.get(name, "-"), **summarize(os.path.join(out, name, "metrics.jsonl"),
+                                                                  staleness_of(name))}
     trace_path = next((t for t in (os.path.join(out, name, f) for f in ("trace.json", "trace.json.gz"))
                        if os.path.exists(t)), None)
     if row.get("steps") and trace_path:
@@ -173,8 +196,8 @@ def table(rows: list[dict]) -> None:
     peer, inner = rows[0].get("wall_s"), rows[0].get("inner_wall_s")
     print(f"\n| run | exit | steps | training wall s | vs {rows[0]['run']} | steps 2..n-1 s | vs {rows[0]['run']} | "
           "busy share | version span max | mixed-version trajectories | final reward | val acc | "
-          "sandbox call / run s | loop lag ms |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "sandbox call / run s | loop lag ms | batch span s |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         ratio = f"{r['wall_s'] / peer:.2f}x" if peer and r.get("wall_s") else "-"
         inner_ratio = f"{r['inner_wall_s'] / inner:.2f}x" if inner and r.get("inner_wall_s") else "-"
@@ -183,7 +206,7 @@ def table(rows: list[dict]) -> None:
               f"{_fmt(r, 'busy_share', '.0%')} | {r.get('version_span_max', '-')} | "
               f"{_fmt(r, 'mixed_version_share', '.0%')} | {_fmt(r, 'reward', '.3f')} | {_fmt(r, 'val_acc', '.3f')} | "
               f"{_fmt(r, 'sandbox_call_s', '.2f')} / {_fmt(r, 'sandbox_run_s', '.3f')} | "
-              f"{_fmt(r, 'loop_lag_ms', '.1f')} |")
+              f"{_fmt(r, 'loop_lag_ms', '.1f')} | {_fmt(r, 'batch_span_s', '.2f')} |")
 
 
 def _fmt(row: dict, key: str, spec: str) -> str:

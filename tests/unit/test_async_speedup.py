@@ -64,3 +64,21 @@ def test_summarize_table_of_stored_runs_leaves_the_first_and_last_steps_out_of_t
     # walls less validation: s0 57 s, s1p 46 s; steps 2..4: 18 s and 9 s
     assert rows[0].startswith("| s0 | - | 5 | 57.0 | 1.00x | 18.0 | 1.00x |")
     assert rows[1].startswith("| s1p | - | 5 | 46.0 | 0.81x | 9.0 | 0.50x |")
+
+
+def test_batch_span_adds_the_steps_since_the_batch_entered_the_queue_to_the_wait_for_it():
+    from async_speedup import batch_span
+
+    def steps(times: list[float], waits: list[float]) -> list[dict]:
+        return [{"step": i + 1, "time/step_s": t, "time/rollout_s": w}
+                for i, (t, w) in enumerate(zip(times, waits, strict=True))]
+
+    # staleness 1: batch j entered the queue when step j-1 started. Steps 3 and 5 waited 1.9 s after a 1.1 s step:
+    # spans of 3.0 s; steps 2 and 4 found their batch done (0.02 s) and do not count; steps 1 and 6 are left out
+    alternating = steps([10.0, 1.1, 2.9, 1.1, 2.9, 10.0], [5.0, 0.02, 1.9, 0.02, 1.9, 0.5])
+    assert batch_span(alternating, staleness=1) == pytest.approx(3.0)
+    # staleness 2: step 4's batch entered when step 2 started (steps 2 and 3: 1.0 + 1.5 s) and took 0.5 s more
+    assert batch_span(steps([9.0, 1.0, 1.5, 1.6, 9.0], [4.0, 0.0, 0.0, 0.5, 0.0]), staleness=2) == pytest.approx(3.0)
+    # synchronous: the rollout time of steps 2..n-1
+    assert batch_span(steps([9.0, 3.0, 3.2, 8.0], [4.0, 2.0, 2.2, 2.0]), staleness=0) == pytest.approx(2.1)
+    assert batch_span(steps([9.0, 1.0, 9.0], [4.0, 0.01, 0.0]), staleness=1) is None  # no step waited
