@@ -53,22 +53,25 @@ async def fake_agent(ctx, config: dict) -> dict:
     return {"reward": 1.0, "answer": "", "metadata": {"events": [{"name": "agent", "start": w0, "end": time.time()}]}}
 
 
-async def _open_session(task_id: str, **_) -> tuple[str, str, str]:
-    return task_id, "key", f"http://127.0.0.1:1/sessions/{task_id}/v1"  # never called: the agent makes no LLM call
+async def _open_sessions(requests: list[dict]) -> list[tuple[str, str, str]]:
+    # never called: the agent makes no LLM call
+    return [(r["task_id"], "key", f"http://127.0.0.1:1/sessions/{r['task_id']}/v1") for r in requests]
 
 
-async def _close_session(session_id: str) -> SessionRecord:
+async def _close_sessions(session_ids: list[str]) -> list[SessionRecord]:
     ids = list(range(8))
-    return SessionRecord(session_id, session_id, prompt_ids=ids, response_ids=ids, loss_mask=[1] * 8,
-                         logprobs=[-0.5] * 8, versions=[0] * 8, num_turns=1, finish_reason="stop",
-                         turns=[Turn(env_len=0, token_ids=ids, logprobs=[-0.5] * 8, finish_reason="stop", engine=0)])
+    return [SessionRecord(sid, sid, prompt_ids=ids, response_ids=ids, loss_mask=[1] * 8, logprobs=[-0.5] * 8,
+                          versions=[0] * 8, num_turns=1, finish_reason="stop",
+                          turns=[Turn(env_len=0, token_ids=ids, logprobs=[-0.5] * 8, finish_reason="stop", engine=0)])
+            for sid in session_ids]
 
 
 class NoLLMGateway:
-    """The two Gateway calls a worker makes per episode, answered in the worker's process (`handle.method.remote`)."""
+    """The two Gateway calls a worker makes (per batch of episodes), answered in the worker's process
+    (`handle.method.remote`)."""
 
-    open_session = types.SimpleNamespace(remote=_open_session)
-    close_session = types.SimpleNamespace(remote=_close_session)
+    open_sessions = types.SimpleNamespace(remote=_open_sessions)
+    close_sessions = types.SimpleNamespace(remote=_close_sessions)
 
 
 class PerTaskRollout(Rollout):

@@ -15,6 +15,7 @@ also runs the uvicorn server.
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import socket
@@ -94,6 +95,15 @@ class Gateway:
     def close_session(self, session_id: str) -> SessionRecord:
         """End a session; its record is what the learner trains on. Later calls to it get a 410."""
         return self.sessions.close(session_id)
+
+    def open_sessions(self, requests: list[dict]) -> list[tuple[str, str, str] | Exception]:
+        """`open_session(**r)` for each request, in one actor call (a rollout worker's episodes start together:
+        rayrl.coalesce); a request that fails gets its exception in its place."""
+        return [_or_error(functools.partial(self.open_session, **r)) for r in requests]
+
+    def close_sessions(self, session_ids: list[str]) -> list[SessionRecord | Exception]:
+        """`close_session` for each id, in one actor call; an id that fails gets its exception in its place."""
+        return [_or_error(functools.partial(self.close_session, sid)) for sid in session_ids]
 
     def stats(self) -> dict[str, Any]:
         return {**self.counts, "open_sessions": len(self.sessions), "expired_sessions": self.sessions.expired,
@@ -338,6 +348,13 @@ class Gateway:
 
 
 # --- the HTTP app: routes -> the Gateway in app.state.gateway --------------------------------------
+
+def _or_error(call):
+    try:
+        return call()
+    except Exception as e:  # noqa: BLE001 - returned to its own caller (rayrl.coalesce), not to the whole batch
+        return e
+
 
 def build_app(gw: Gateway):
     """The Starlette app: OpenAI routes at /v1/... and /sessions/{sid}/v1/..., plus /health."""

@@ -25,6 +25,7 @@ import httpx
 import ray
 
 from rayrl.agent import TaskContext, session_client
+from rayrl.coalesce import Coalesced
 from rayrl.config import Config, check_callable
 from rayrl.queue import pack
 from rayrl.recovery import InfraError, infra_role
@@ -46,6 +47,9 @@ class Rollout:
         self.episodes = 0
         self._outbox: list[Trajectory] = []  # finished trajectories not yet handed to the queue (`run`)
         self.agent_fn = check_callable(cfg.rollout.agent, "rollout.agent")
+        # The Gateway's session calls of the episodes that start (end) in one turn of this worker's loop, as one call
+        self._open = Coalesced(lambda reqs: asyncio.wait_for(gateway.open_sessions.remote(reqs), 60))
+        self._close = Coalesced(lambda sids: asyncio.wait_for(gateway.close_sessions.remote(sids), 60))
         self._http, self._http_loop = None, None
         self._waits = WaitingSessions(None)  # the transport of self._http
         # Event-loop lag (`_watch_loop`): (perf_counter, seconds a LAG_TICK sleep overran), the last ~10 minutes
@@ -181,9 +185,9 @@ class Rollout:
         r = self.cfg.rollout
         last_user = next((m.get("content") for m in reversed(task.messages) if m.get("role") == "user"), None)
         try:
-            sid, key, base_url = await asyncio.wait_for(self.gateway.open_session.remote(
-                task.task_id, budget=r.max_response_length, max_prompt=self.cfg.data.max_prompt_length,
-                match=last_user if isinstance(last_user, str) and last_user else None, **task.sampling), 60)
+            sid, key, base_url = await asyncio.wait_for(self._open(dict(
+                task_id=task.task_id, budget=r.max_response_length, max_prompt=self.cfg.data.max_prompt_length,
+                match=last_user if isinstance(last_user, str) and last_user else None, **task.sampling)), 60)
         except Exception as e:  # the gateway died, hung or is not listening yet
             raise InfraError("gateway", _describe(e)) from e
         # the Gateway's session calls as trace spans: the episode's span starts with the first (rayrl.trace)
@@ -210,7 +214,7 @@ class Rollout:
         self._waits.cut.pop(sid, None)
         w1 = time.time()
         try:
-            rec: SessionRecord = await asyncio.wait_for(self.gateway.close_session.remote(sid), 60)
+            rec: SessionRecord = await asyncio.wait_for(self._close(sid), 60)
         except Exception as e:  # the gateway died or hung (its sessions are gone with it)
             raise InfraError("gateway", _describe(e)) from e
         spans.append({"name": "gateway:close", "start": w1, "end": time.time()})

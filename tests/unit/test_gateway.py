@@ -63,6 +63,17 @@ def test_binding_order_path_key_prefix(gw):
     assert e.value.status == 404
 
 
+def test_sessions_open_and_close_in_batches_and_a_bad_id_fails_alone(gw):
+    opened = gw.open_sessions([{"task_id": "a", "budget": 10}, {"task_id": "b", "no_such_field": 1},
+                               {"task_id": "c", "temperature": 0.5}])
+    (a, _, url_a), bad, (c, _, _) = opened
+    assert isinstance(bad, TypeError) and "no_such_field" in str(bad) and url_a.endswith(f"/sessions/{a}/v1")
+    assert gw.sessions.by_id[a].budget == 10 and gw.sessions.by_id[c].sampling["temperature"] == 0.5
+    closed = gw.close_sessions([c, "s-unknown", a])
+    assert [r.task_id for r in (closed[0], closed[2])] == ["c", "a"] and isinstance(closed[1], KeyError)
+    assert gw.stats()["open_sessions"] == 0
+
+
 def test_follow_up_prompt_reuses_exact_tokens(gw, tok):
     """Turn 2's prompt = every token of turn 1 (prompt + the engine's sampled ids, which need not be what the
     tokenizer would produce for that text) + the template's tokens for the new messages only."""

@@ -85,17 +85,20 @@ def test_a_worker_acks_and_leases_in_batches_within_its_free_slots(tiny_model):
         running[:] = [0, 0]
         run = asyncio.create_task(w.run())
         try:
-            return await collect(queue, 200, timeout=30), await queue.stats()
+            return await collect(queue, 200, timeout=30), await queue.stats(), w
         finally:
             run.cancel()
 
-    got, stats = asyncio.run(go())
+    got, stats, w = asyncio.run(go())
     assert sorted(t.task_id for t in got) == sorted(t.task_id for t in tasks(200))  # each once
     assert {t.error for t in got} == {NO_CALL} and {t.worker for t in got} == {"rollout/0.0"}
     assert running[1] == 16  # every slot used, never more
     assert stats["leased"] == 0 and stats["completed_total"] == 200 and stats["duplicates_total"] == 0
     # per task, it would be a lease and an ack each: 400 calls; batched, a call carries a wave of 16
     assert stats["calls_total"] < 200 / 4, stats
+    # the episodes that start (end) together open (close) their Gateway sessions in one call (rayrl.coalesce)
+    assert w._open.batches < 200 / 4 and w._close.batches < 200 / 4, (w._open.batches, w._close.batches)
+    assert w.gateway.obj.stats()["open_sessions"] == 0  # every session opened was closed
 
 
 def test_what_finishes_while_a_lease_waits_in_the_queue_is_acked_at_once(tiny_model):
