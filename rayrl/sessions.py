@@ -43,8 +43,12 @@ class Sessions:
 
     MAX_N_UNBOUND = 8  # n > 1 only for unbound requests: a session is one trajectory
 
-    def __init__(self, tokenizer: Any, max_model_len: int, ttl: float | None = None):
+    def __init__(self, tokenizer: Any, max_model_len: int, ttl: float | None = None, first_prompts: int = 1024):
         self.tok = tokenizer
+        # The ids of the last `first_prompts` first-turn prompts, by text: the rollout.n samples of a task open n
+        # sessions whose first prompts are the same text, and encoding it was a fifth of the Gateway's CPU
+        self.first_prompts = first_prompts
+        self._first: OrderedDict[str, tuple[int, ...]] = OrderedDict()
         self.max_model_len = max_model_len
         self.ttl = ttl  # seconds a session may stay open (its episode is over by then: its worker died); None = ever
         self.expired = 0  # sessions closed by the TTL
@@ -135,6 +139,18 @@ class Sessions:
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=False)
 
+    def encode_first(self, text: str) -> list[int]:
+        """`encode(text)` for a first-turn prompt, from the cache when the same text came recently."""
+        ids = self._first.get(text)
+        if ids is None:
+            ids = tuple(self.encode(text))
+            self._first[text] = ids
+            if len(self._first) > self.first_prompts:
+                self._first.popitem(last=False)
+        else:
+            self._first.move_to_end(text)
+        return list(ids)
+
     def prompt_ids(self, s: Session | None, messages: list[dict], tools: list[dict] | None) -> list[int]:
         """A chat prompt's token ids; a session's follow-up reuses every earlier token exactly and encodes only what
         is new.
@@ -145,7 +161,7 @@ class Sessions:
         """
         full = self.render(messages, tools, True)
         if s is None or s.record.num_turns == 0:
-            return self.encode(full)
+            return self.encode_first(full)
         rec = s.record
         if s.history and extends(s.history, messages):
             upto = self.render(messages[: len(s.history)], tools, False)

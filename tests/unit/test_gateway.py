@@ -74,6 +74,23 @@ def test_sessions_open_and_close_in_batches_and_a_bad_id_fails_alone(gw):
     assert gw.stats()["open_sessions"] == 0
 
 
+def test_a_first_prompt_seen_recently_is_encoded_once(gw, tok):
+    """The n samples of a task open n sessions with the same first prompt: its text is encoded once (exactly)."""
+    ss, texts = gw.sessions, []
+    encode = ss.encode
+    ss.encode = lambda text: texts.append(text) or encode(text)
+    msgs = normalize_messages([{"role": "user", "content": "What is 2 + 2?"}])
+    other = normalize_messages([{"role": "user", "content": "What is 3 + 3?"}])
+    first = [ss.prompt_ids(gw.sessions.by_id[gw.open_session(f"t{i}")[0]], msgs, None) for i in range(4)]
+    want = tok.encode(ss.render(msgs, None, True), add_special_tokens=False)
+    assert first == [want] * 4 and len(texts) == 1
+    first[0].append(-1)  # a caller's list is its own
+    assert ss.prompt_ids(None, msgs, None) == want and len(texts) == 1  # unbound requests share it too
+    ss.first_prompts = 1
+    ss.prompt_ids(None, other, None)  # evicts the older text
+    assert ss.prompt_ids(None, msgs, None) == want and len(texts) == 3
+
+
 def test_follow_up_prompt_reuses_exact_tokens(gw, tok):
     """Turn 2's prompt = every token of turn 1 (prompt + the engine's sampled ids, which need not be what the
     tokenizer would produce for that text) + the template's tokens for the new messages only."""
