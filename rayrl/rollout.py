@@ -48,8 +48,8 @@ class Rollout:
         self._outbox: list[Trajectory] = []  # finished trajectories not yet handed to the queue (`run`)
         self.agent_fn = check_callable(cfg.rollout.agent, "rollout.agent")
         # The Gateway's session calls of the episodes that start (end) in one turn of this worker's loop, as one call
-        self._open = Coalesced(lambda reqs: asyncio.wait_for(gateway.open_sessions.remote(reqs), 60))
-        self._close = Coalesced(lambda sids: asyncio.wait_for(gateway.close_sessions.remote(sids), 60))
+        self._open = Coalesced(lambda reqs: asyncio.wait_for(self.gateway.open_sessions.remote(reqs), 60))
+        self._close = Coalesced(lambda sids: asyncio.wait_for(self.gateway.close_sessions.remote(sids), 60))
         self._http, self._http_loop = None, None
         self._waits = WaitingSessions(None)  # the transport of self._http
         # Event-loop lag (`_watch_loop`): (perf_counter, seconds a LAG_TICK sleep overran), the last ~10 minutes
