@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import ray
 
+from rayrl import checkpoint
 from rayrl.config import Config
 
 
@@ -86,10 +87,12 @@ def host_memory_warning(cfg: Config, shapes: list[tuple[int, ...]], nodes: list[
     weights kept as well (sleep level 1) the process was SIGKILLed (bench/gpu/results/2026-12-05).
     Per learner rank (FSDP shards dimension 0 over the ranks): the AdamW state, 8 bytes a parameter
     (rayrl.offload.PinnedCopies: no rounding to speak of); the parameters, 4 bytes each, every tensor rounded up
-    to a power of two (torch's pinned allocator), twice with a KL reference model. Per engine at sleep level 1:
-    its weights in the model's dtype, rounded the same way (vLLM keeps them pinned)."""
+    to a power of two (torch's pinned allocator), twice with a KL reference model; with trainer.async_save the
+    checkpoint's staged copy, 12 bytes a parameter (fp32 weights and AdamW's two moments). Per engine at sleep
+    level 1: its weights in the model's dtype, rounded the same way (vLLM keeps them pinned)."""
     lc, e = cfg.learner, cfg.engine
-    if not (lc.param_offload or lc.optimizer_offload or e.sleep_level == 1) or lc.gpus_per_worker <= 0:
+    if (not (lc.param_offload or lc.optimizer_offload or e.sleep_level == 1 or cfg.trainer.async_save)
+            or lc.gpus_per_worker <= 0):
         return None
     from rayrl.offload import pow2  # torch: only where offload or sleep is on
 
@@ -100,6 +103,8 @@ def host_memory_warning(cfg: Config, shapes: list[tuple[int, ...]], nodes: list[
         parts["learner.optimizer_offload"] = 8 * sum(local)
     if lc.param_offload:
         parts["learner.param_offload"] = sum(pow2(4 * n) for n in local) * (2 if cfg.algo.use_kl_loss else 1)
+    if cfg.trainer.async_save:
+        parts["trainer.async_save"] = checkpoint.BYTES_PER_PARAM * sum(local)
     per_rank = sum(parts.values())
     engine_bytes = 0
     if e.sleep_level == 1:

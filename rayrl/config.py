@@ -237,6 +237,10 @@ class TrainerConfig:
     # also save after the first step ending >= this many seconds after the last save (0 = off): a crash loses at most
     # this much time plus one step, however long the steps are
     save_interval_s: float = 1800.0
+    # Checkpoints written in the background: the learners copy their state to CPU memory (one more copy of each
+    # rank's shard of weights and optimizer state in host memory) and a thread writes it while the run goes on; the
+    # checkpoint becomes the latest once the writes end (committed after the next step's rollout, or at the run's end)
+    async_save: bool = False
     resume: str = "auto"  # auto | disable | <path to a checkpoint dir>
     export_hf: bool = True  # write the final policy as a Hugging Face folder
     test_freq: int = 0  # validate every k steps (0 = never)

@@ -44,6 +44,8 @@ class Learner:
         rf = cfg.learner.reshard_after_forward
         self.reshard_after_forward = world_size > 1 if rf is None else rf
         self.params_offloaded = False  # learner.param_offload: parameters in CPU memory since the last offload()
+        self._writing = None  # trainer.async_save: the background write of the last save (a DCP future)
+        self._save_group = None  # the process group of background writes (a CPU backend: gloo)
         # weights out: one sender per strategy (rayrl/weight_sync/), the driver picks which
         self._senders: dict[str, weight_sync.Sender] = {
             name: strategy.Sender(cfg, self.device, world_size) for name, strategy in weight_sync.STRATEGIES.items()}
@@ -70,6 +72,9 @@ class Learner:
             dist.init_process_group("nccl" if self.use_cuda else "gloo",
                                     init_method=f"tcp://{master_addr}:{master_port}", rank=self.rank,
                                     world_size=self.world_size, timeout=datetime.timedelta(minutes=30))
+        if self.cfg.trainer.async_save:  # DCP's background write coordinates ranks on a CPU backend, never on the
+            # training's NCCL group from its thread (torchtitan's async checkpoints make the same gloo group)
+            self._save_group = dist.new_group(backend="gloo") if self.use_cuda else dist.group.WORLD
         # learner.sequence_parallel: groups of k ranks share a shard, 1/k of each packed row per rank (rayrl.ulysses)
         self.sp, self.sp_size = None, self.cfg.learner.sequence_parallel
         if self.sp_size > 1:
@@ -486,17 +491,30 @@ class Learner:
 
     # --- checkpoints -----------------------------------------------------------------------------
 
-    def save(self, ckpt_dir: str) -> None:
-        """Sharded model + optimizer (torch.distributed.checkpoint) and this rank's RNG into ckpt_dir."""
+    def save(self, ckpt_dir: str, background: bool = False) -> None:
+        """Sharded model + optimizer (torch.distributed.checkpoint) and this rank's RNG into ckpt_dir. `background`
+        (trainer.async_save): the state is copied to CPU memory here and a thread writes it while the learner goes on
+        (DCP's async_save); `written()` waits for the write. A save first waits for the previous one's."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
+        self.written()
         self._resident()
         model_sd, optim_sd = get_state_dict(self.model, self.optim)
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(ckpt_dir, "learner"))
+        state, path = {"model": model_sd, "optim": optim_sd}, os.path.join(ckpt_dir, "learner")
+        if background:
+            self._writing = dcp.async_save(state, checkpoint_id=path, process_group=self._save_group)
+        else:
+            dcp.save(state, checkpoint_id=path)
         rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
                "cuda": torch.cuda.get_rng_state_all() if self.use_cuda else None}
         torch.save(rng, os.path.join(ckpt_dir, f"rng_rank{self.rank}.pt"))
+
+    def written(self) -> None:
+        """Wait for the background write of the last save (its error is raised here); at once when there is none."""
+        writing, self._writing = self._writing, None
+        if writing is not None:  # a Future, or an AsyncSaveResponse where DCP stages in the background too
+            getattr(writing, "upload_completion", writing).result()
 
     def load(self, ckpt_dir: str) -> None:
         import torch.distributed.checkpoint as dcp

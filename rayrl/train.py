@@ -22,6 +22,8 @@ import random
 import sys
 import time
 from collections import Counter
+from dataclasses import dataclass
+from typing import Any
 
 import ray
 
@@ -62,6 +64,7 @@ def train(cfg: Config) -> dict:
         print(warning, file=sys.stderr)  # noqa: T201
     decode = _decoder(model_path) if val_rows and t.log_val_generations else None
     actors, log, summary, step = None, None, {}, 0
+    writing: Checkpoint | None = None  # trainer.async_save: a checkpoint the learners still write
     if t.trace:
         trace.start(t.output_dir)
     try:
@@ -90,19 +93,24 @@ def train(cfg: Config) -> dict:
                 check_failures(trajs, step + 1, log)
                 t_rollout = time.perf_counter() - t0
                 groups, dropped = trainable_groups(trajs)
+                if writing is not None:  # written beside this rollout: the latest checkpoint from here on
+                    summary["checkpoint"], writing = writing.commit(), None
                 colo = colocate.to_training(cfg, actors)  # sleeping engines free the GPU for the update
                 with recovery.learners_kept(actors.learners, f"step {step + 1}'s update", t.output_dir):
                     learn = update(cfg, actors.learners, groups)
                 version, step = version + 1, step + 1
                 since = time.monotonic() - saved_at
                 saving = checkpoint.due(step, t.total_steps, t.save_freq, t.save_interval_s, since)
+                here = feeder.state_before(step)
                 if saving:  # learners resident
-                    summary["checkpoint"] = save(cfg, actors, step, version, feeder.state_before(step))
+                    writing = save(cfg, actors, step, version, here, background=t.async_save)
+                    if not t.async_save:
+                        summary["checkpoint"], writing = writing.commit(), None
                     saved_at = time.monotonic()
                 # the engines serve the new policy from here on (sleeping ones awake, learners offloaded); an engine
                 # lost in the sync stops the run after a checkpoint of this step (rayrl.recovery.sync)
-                here = feeder.state_before(step)
-                lost = None if saving else functools.partial(save, cfg, actors, step, version, here)
+                lost = ((writing.commit if writing is not None else None) if saving  # None: committed already
+                        else functools.partial(save_now, cfg, actors, step, version, here))
                 sync = functools.partial(sync_weights, cfg, actors, version, lost)
                 colo.update(colocate.to_rollout(cfg, actors, sync))
                 sync_s = colo.pop("sync/seconds")
@@ -110,6 +118,8 @@ def train(cfg: Config) -> dict:
                     v0 = time.perf_counter()
                     val = validate(cfg, actors, val_rows, version, step, log, decode)
                     val["time/val_s"] = time.perf_counter() - v0  # inside time/step_s
+                if writing is not None and step == t.total_steps:  # the last checkpoint, written beside the sync and
+                    summary["checkpoint"], writing = writing.commit(), None  # validation: its wait is in the step
                 m = step_metrics(trajs, groups, dropped, learn, t_rollout, sync_s, version, time.perf_counter() - t0)
                 learner_s = learn.get("time/learner_s", 0.0) + learn.get("time/old_logprob_s", 0.0)
                 m.update(phase_shares(trajs, w0, w0 + t_rollout, learner_s, sync_s, m["time/step_s"]))
@@ -126,6 +136,8 @@ def train(cfg: Config) -> dict:
                  f"Hugging Face model: {summary.get('hf', '-')}"
                  + (f"  trace: {t.output_dir}/trace.json" if t.trace else ""))
     except BaseException as e:  # SIGTERM / Ctrl-C (rayrl.stop): the caller says where the run stopped
+        if writing is not None:  # a checkpoint still being written is made the latest if its writes end well
+            summary["checkpoint"] = writing.commit_or_drop()
         if (stopped := stop.found(e)) is None:
             raise
         stopped.step = step
@@ -288,15 +300,52 @@ def resume(cfg: Config, actors, data: DataIterator) -> tuple[int, int]:
     return state["step"], state["policy_version"]
 
 
-def save(cfg: Config, actors, step: int, version: int, data_state: dict) -> str:
+def save(cfg: Config, actors, step: int, version: int, data_state: dict, background: bool = False) -> Checkpoint:
+    """The learners save step `step` (with `background`, trainer.async_save: into CPU memory, written by their
+    threads while the run goes on); its `commit()` makes it the latest checkpoint."""
     tmp = checkpoint.begin(cfg.trainer.output_dir, step)
     with trace.span("checkpoint", step=step), recovery.learners_kept(actors.learners, f"the checkpoint of step {step}",
                                                                      cfg.trainer.output_dir):
-        ray.get([ln.save.remote(tmp) for ln in actors.learners], timeout=cfg.learner.timeout)
-    return checkpoint.commit(tmp, step, {"step": step, "policy_version": version, "data": data_state,
-                                         "python_rng": random.getstate(),
-                                         "model_path": checkpoint.base_model(cfg.model.path),
-                                         "chat_template": cfg.model.chat_template, "dtype": cfg.model.dtype})
+        ray.get([ln.save.remote(tmp, background) for ln in actors.learners], timeout=cfg.learner.timeout)
+    return Checkpoint(cfg, actors, step, tmp, {"step": step, "policy_version": version, "data": data_state,
+                                               "python_rng": random.getstate(),
+                                               "model_path": checkpoint.base_model(cfg.model.path),
+                                               "chat_template": cfg.model.chat_template, "dtype": cfg.model.dtype})
+
+
+def save_now(cfg: Config, actors, step: int, version: int, data_state: dict) -> str:
+    """Step `step`'s checkpoint, the latest once this returns."""
+    return save(cfg, actors, step, version, data_state).commit()
+
+
+@dataclass
+class Checkpoint:
+    """A checkpoint the learners saved into `tmp`, not yet the latest: `commit()` waits for their background writes
+    (none after a plain save) and renames it into place (rayrl.checkpoint.commit)."""
+
+    cfg: Config
+    actors: Any
+    step: int
+    tmp: str
+    state: dict
+    path: str | None = None  # where it is, once committed
+
+    def commit(self) -> str:
+        if self.path is None:
+            with trace.span("checkpoint write", checkpoint_step=self.step), recovery.learners_kept(
+                    self.actors.learners, f"the checkpoint of step {self.step}", self.cfg.trainer.output_dir):
+                ray.get([ln.written.remote() for ln in self.actors.learners], timeout=self.cfg.learner.timeout)
+            self.path = checkpoint.commit(self.tmp, self.step, self.state)
+        return self.path
+
+    def commit_or_drop(self) -> str | None:
+        """On the way out of a stopped or failed run: committed if every write ends well, else left as the temp dir
+        the next save removes (the previous checkpoint stays the latest). Never raises."""
+        try:
+            return self.commit()
+        except BaseException as e:  # noqa: BLE001 - a second signal or a lost learner: the run is ending anyway
+            print(f"rayrl: the checkpoint of step {self.step} was not completed: {e!r}", file=sys.stderr)  # noqa: T201
+            return None
 
 
 def validate(cfg: Config, actors, rows: list, version: int, step: int, log: StepLogger, decode) -> dict[str, float]:

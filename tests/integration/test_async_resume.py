@@ -1,6 +1,7 @@
-"""Async RL (algo.max_staleness 2) resumed from a checkpoint written while later steps' tasks were queued: every
-prompt of the epoch is trained exactly once, at its own step, and no step trains on weights more than 2 versions
-older than the learner's, before or after the resume. Local Ray, CPU vLLM, the tiny random Qwen2."""
+"""Async RL (algo.max_staleness 2) resumed from a checkpoint written while later steps' tasks were queued (and, with
+trainer.async_save, written in the background beside the next rollout): every prompt of the epoch is trained exactly
+once, at its own step, and no step trains on weights more than 2 versions older than the learner's, before or after
+the resume. Local Ray, CPU vLLM, the tiny random Qwen2."""
 
 from __future__ import annotations
 
@@ -24,13 +25,17 @@ def _metrics(out: str) -> dict[int, dict]:
         return {r["step"]: r for r in map(json.loads, f)}
 
 
+def _events(out: str) -> list[dict]:
+    with open(os.path.join(out, "trace", "events.jsonl")) as f:
+        return list(map(json.loads, f))
+
+
 def _trained(out: str) -> dict[int, list[dict]]:
     """Training step (1-based) -> the trajectories collected for it (the trace's trajectory spans' args)."""
     steps = defaultdict(list)
-    with open(os.path.join(out, "trace", "events.jsonl")) as f:
-        for rec in map(json.loads, f):
-            if rec["event"]["cat"] == "trajectory":
-                steps[rec["step"]].append(rec["event"]["args"])
+    for rec in _events(out):
+        if rec["event"]["cat"] == "trajectory":
+            steps[rec["step"]].append(rec["event"]["args"])
     return steps
 
 
@@ -46,11 +51,16 @@ def test_resume_in_the_middle_of_an_async_run(tiny_model, ray_cluster, tmp_path)
               "algo.max_staleness": K, "trainer.save_freq": 2, "trainer.trace": True, "trainer.export_hf": False}
     full = str(tmp_path / "full")
     train(load_config(None, tiny_overrides(tiny_model, full, **common,
-                                           **{"algo.rollout_correction.rollout_is": "token",
+                                           **{"trainer.async_save": True,
+                                              "algo.rollout_correction.rollout_is": "token",
                                               # rejection (nothing is out of these bounds): a proximal forward pass
                                               "algo.rollout_correction.rollout_rs": "token_k1",
                                               "algo.rollout_correction.rollout_rs_threshold": 1e6})))
     mid = os.path.join(full, "checkpoints", "step_2")
+    # step 2's checkpoint was committed once its writes ended, in step 3 (after its rollout); step 4's at the end
+    writes = {r["event"]["args"]["checkpoint_step"]: r["step"] for r in _events(full)
+              if r["event"]["name"] == "checkpoint write"}
+    assert writes == {2: 3, 4: 4} and checkpoint.latest(full).endswith("step_4")
     state = checkpoint.load_state(mid)
     assert state["step"] == 2 and state["policy_version"] == 2
     # when step 2 was saved, the tasks of steps 3 and 4 were already queued (dispatched at versions 0 and 1): the

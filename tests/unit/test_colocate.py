@@ -130,6 +130,8 @@ ONE_GPU = ["engine.gpus_per_engine=0.5", "learner.gpus_per_worker=0.5", "model.d
     # the AdamW state alone, packed (61 GB), and the engine dropping its weights: fits
     (["engine.sleep_level=2", "learner.optimizer_offload=true"], False),
     (["engine.sleep_level=1", "learner.optimizer_offload=true"], False),  # + 29 GB: 90 of 134 GB
+    # + a background checkpoint's staged copy, 12 bytes a parameter (91 GB): 181 of 134 GB
+    (["engine.sleep_level=1", "learner.optimizer_offload=true", "trainer.async_save=true"], True),
 ])
 def test_host_memory_warning_on_the_7b_shape_on_one_h200_host(overrides, warned):
     from rayrl.colocate import host_memory_warning
@@ -139,7 +141,10 @@ def test_host_memory_warning_on_the_7b_shape_on_one_h200_host(overrides, warned)
     assert (warning is not None) == warned
     if warned:
         assert "node 10.0.0.7" in warning and "learner.optimizer_offload ~60.9 GB" in warning
+    if "learner.param_offload=true" in overrides:
         assert "learner.param_offload ~57.9 GB" in warning and "engine.sleep_level=2" in warning
+    if "trainer.async_save=true" in overrides:
+        assert "trainer.async_save ~91.4 GB" in warning
 
 
 def test_host_memory_is_per_rank_shard_and_skips_nodes_without_gpus():

@@ -79,6 +79,29 @@ def test_checkpoint_round_trip(learner, tmp_path):
     assert learner.compute_logprobs(BATCH) == saved
 
 
+@pytest.mark.parametrize("learner", [["trainer.async_save=true"]], indirect=True)
+def test_a_background_save_holds_the_state_it_was_called_with(learner, tmp_path):
+    """trainer.async_save: the state is copied when save() returns, so steps taken while a thread writes it do not
+    reach the checkpoint; written() waits for the write, and a second save waits for the first's."""
+    import os
+
+    for d in "ab":
+        (tmp_path / d).mkdir()  # rayrl.checkpoint.begin's temp dir
+    learner.train_step(BATCH)
+    learner.save(str(tmp_path / "a"), background=True)
+    saved = learner.compute_logprobs(BATCH)
+    learner.train_step(BATCH)  # while the write may still run
+    learner.save(str(tmp_path / "b"), background=True)  # waits for a's write first
+    learner.train_step(BATCH)
+    learner.written()
+    assert learner._writing is None and os.path.exists(tmp_path / "a" / "learner" / ".metadata")
+    learner.written()  # nothing to wait for
+    learner.load(str(tmp_path / "a"))
+    assert learner.compute_logprobs(BATCH) == saved
+    learner.load(str(tmp_path / "b"))
+    assert learner.compute_logprobs(BATCH) != saved
+
+
 @pytest.mark.parametrize("learner", [["learner.micro_batch_size=1"]], indirect=True)
 def test_step_records_trace_spans(learner):
     """Forward and backward per micro-batch, then the optimizer step, all inside the call (rayrl.trace draws them)."""
