@@ -8,7 +8,7 @@
 # and the last part's call installs everything with `RAYRL_WHEELS=... scripts/install.sh` (setup_host.sh does that
 # when it sees the last part): the same install a CUDA machine with network gets from versions.toml.
 set -euo pipefail
-out=${1:-.gpu-bundles}; mib=${PART_MIB:-54}
+out=${1:-.gpu-bundles}; mib=${PART_MIB:-30}  # parts + the tracked tree (26 MiB, 2026-12-06) must fit the 64 MiB a device call carries
 here=$(cd "$(dirname "$0")" && pwd); versions=$here/../../scripts/versions.py
 stage=$out/.stage; rm -rf "$out"; mkdir -p "$stage/wheels" "$stage/sdists"
 python3 "$versions" cuda wheels > "$out/.specs"    # versions.toml [cuda] + [common]; the host image has torch
