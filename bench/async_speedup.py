@@ -12,7 +12,10 @@ generation (`batch_span`: what a staleness-k step waits on, while the update is 
         engine.gpus_per_engine=0.4 engine.gpu_memory_utilization=0.3 learner.gpus_per_worker=0.5   # one GPU
 
 Run names: s<staleness> (partial rollouts off), s<staleness>p (on), s<staleness>k (on, with the KV cache kept across
-weight updates: `engine.keep_kv_on_sync`). The first run is the peer the ratios divide by.
+weight updates: `engine.keep_kv_on_sync`). The first run is the peer the ratios divide by. A name given more than
+once runs again (its k-th run in `<name>.<k>/`; e.g. `--runs s0,s1p,s1p,s0`, each side twice, in an order that
+spreads a host's drift over both), and a second table gives each name's mean over its runs with their range: two
+synchronous runs on one GPU host differed by 19% (BENCHMARKS.md, fourteenth session), more than one pair resolves.
 """
 
 from __future__ import annotations
@@ -42,6 +45,21 @@ def run_overrides(name: str) -> list[str]:
 
 def staleness_of(name: str) -> int:
     return int(run_overrides(name)[0].partition("=")[2])
+
+
+def labels(names: list[str]) -> list[str]:
+    """Each run's label (its folder): the name, then `<name>.<k>` for its k-th run."""
+    seen: dict[str, int] = {}
+    out = []
+    for n in names:
+        seen[n] = seen.get(n, 0) + 1
+        out.append(n if seen[n] == 1 else f"{n}.{seen[n]}")
+    return out
+
+
+def kind(label: str) -> str:
+    """The run name of a label (`s1p.2` -> `s1p`)."""
+    return label.partition(".")[0]
 
 
 def summarize(metrics_path: str, staleness: int = 0) -> dict:
@@ -129,20 +147,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--val", default="reasoning_gym:basic_arithmetic", help="validation source (after the last step)")
     p.add_argument("--val-size", type=int, default=32)
     p.add_argument("--timeout", type=float, default=3600, help="seconds per run")
-    p.add_argument("--summarize", metavar="DIR", help="no runs: the table of DIR/<run>/ (metrics, trace)")
+    p.add_argument("--summarize", metavar="DIR[,DIR...]",
+                   help="no runs: the tables of DIR/<run>/ (metrics, trace) in each DIR that has it")
     p.add_argument("overrides", nargs="*", help="section.key=value for every run (after --)")
     a = p.parse_args(argv)
     names = a.runs.split(",")
     for name in names:
         run_overrides(name)  # a bad name fails before any run starts
     if a.summarize:
-        rows = [stored(a.summarize, name) for name in names]
+        rows = [stored(d, label) for d in a.summarize.split(",") for label in labels(names)
+                if os.path.exists(os.path.join(d, label, "metrics.jsonl"))]
         table(rows)
+        repeats(rows)
         return 0
     rows = []
-    for name in names:
+    for name in labels(names):
         out = os.path.join(a.out, name)
-        cmd = [sys.executable, "-m", "rayrl.train", a.job, *run_overrides(name), f"trainer.total_steps={a.steps}",
+        cmd = [sys.executable, "-m", "rayrl.train", a.job, *run_overrides(kind(name)), f"trainer.total_steps={a.steps}",
                f"trainer.output_dir={out}", "trainer.resume=disable", "trainer.save_freq=0",
                "trainer.save_interval_s=0", "trainer.export_hf=false", f"trainer.test_freq={a.steps}",
                "trainer.val_before_train=false", f"data.val_source=[{a.val}]", f"data.val_size={a.val_size}",
@@ -164,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"async_speedup: {name}: stopped after --timeout {a.timeout:.0f} s", flush=True)
         row = {"run": name, "rc": rc, "process_s": time.perf_counter() - t0}
         metrics = os.path.join(out, "metrics.jsonl")
-        row.update(summarize(metrics, staleness_of(name)) if os.path.exists(metrics) else {})
+        row.update(summarize(metrics, staleness_of(kind(name))) if os.path.exists(metrics) else {})
         trace_path = os.path.join(out, "trace.json")
         if row.get("steps") and os.path.exists(trace_path):
             row["busy_share_phases"] = row["busy_share"]
@@ -174,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     with open(os.path.join(a.out, "results.jsonl"), "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in rows)
     table(rows)
+    repeats(rows)
     return 0 if all(r["rc"] == 0 for r in rows) else 1
 
 
@@ -184,7 +206,7 @@ def stored(out: str, name: str) -> dict:
         with open(results) as f:
             rcs = {r["run"]: r["rc"] for r in map(json.loads, f)}
     row = {"run": name, "rc": rcs.get(name, "-"), **summarize(os.path.join(out, name, "metrics.jsonl"),
-                                                                  staleness_of(name))}
+                                                                  staleness_of(kind(name)))}
     trace_path = next((t for t in (os.path.join(out, name, f) for f in ("trace.json", "trace.json.gz"))
                        if os.path.exists(t)), None)
     if row.get("steps") and trace_path:
@@ -207,6 +229,39 @@ def table(rows: list[dict]) -> None:
               f"{_fmt(r, 'mixed_version_share', '.0%')} | {_fmt(r, 'reward', '.3f')} | {_fmt(r, 'val_acc', '.3f')} | "
               f"{_fmt(r, 'sandbox_call_s', '.2f')} / {_fmt(r, 'sandbox_run_s', '.3f')} | "
               f"{_fmt(r, 'loop_lag_ms', '.1f')} | {_fmt(r, 'batch_span_s', '.2f')} |")
+
+
+def repeats(rows: list[dict]) -> None:
+    """Where a run name ran more than once: each name's mean over its runs (the range in brackets) and the ratio of
+    the means to the first name's; nothing otherwise."""
+    groups: dict[str, list[dict]] = {}
+    for r in rows:
+        if r.get("wall_s"):
+            groups.setdefault(kind(r["run"]), []).append(r)
+    if not groups or max(map(len, groups.values())) < 2:
+        return
+
+    def mean(g: list[dict], key: str) -> float | None:
+        v = [r[key] for r in g if r.get(key) is not None]
+        return sum(v) / len(v) if v else None
+
+    def cell(g: list[dict], key: str, peer: float | None) -> str:
+        m = mean(g, key)
+        if m is None:
+            return "- | -"
+        v = [r[key] for r in g if r.get(key) is not None]
+        spread = f" ({min(v):.1f}-{max(v):.1f})" if len(v) > 1 else ""
+        return f"{m:.1f}{spread} | " + (f"{m / peer:.2f}x" if peer else "-")
+
+    first = next(iter(groups.values()))
+    peer, inner, base = mean(first, "wall_s"), mean(first, "inner_wall_s"), kind(first[0]["run"])
+    print(f"\nMeans over repeated runs (vs {base}'s mean):")
+    print(f"| run | runs | training wall s | vs {base} | steps 2..n-1 s | vs {base} | batch span s | val acc |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, g in groups.items():
+        span, acc = mean(g, "batch_span_s"), mean(g, "val_acc")
+        print(f"| {name} | {len(g)} | {cell(g, 'wall_s', peer)} | {cell(g, 'inner_wall_s', inner)} | "
+              f"{'-' if span is None else f'{span:.2f}'} | {'-' if acc is None else f'{acc:.3f}'} |")
 
 
 def _fmt(row: dict, key: str, spec: str) -> str:

@@ -1,4 +1,5 @@
-"""bench/async_speedup.py's accelerator-busy share, from a run's trace (no run needed)."""
+"""bench/async_speedup.py's figures from stored runs (no run needed): the accelerator-busy share from a trace, the
+tables, the batch span, repeated runs."""
 
 from __future__ import annotations
 
@@ -82,3 +83,23 @@ def test_batch_span_adds_the_steps_since_the_batch_entered_the_queue_to_the_wait
     # synchronous: the rollout time of steps 2..n-1
     assert batch_span(steps([9.0, 3.0, 3.2, 8.0], [4.0, 2.0, 2.2, 2.0]), staleness=0) == pytest.approx(2.1)
     assert batch_span(steps([9.0, 1.0, 9.0], [4.0, 0.01, 0.0]), staleness=1) is None  # no step waited
+
+
+def test_a_name_given_twice_runs_twice_and_the_means_table_shows_each_names_range(tmp_path, capsys):
+    from async_speedup import labels, main
+
+    assert labels(["s0", "s1p", "s1p", "s0", "s0"]) == ["s0", "s1p", "s1p.2", "s0.2", "s0.3"]
+    for folder, times in (("s0", [9.0, 6.0, 6.0, 9.0]), ("s1p", [9.0, 3.0, 3.0, 9.0]), ("s0.2", [9.0, 8.0, 8.0, 9.0])):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "metrics.jsonl").write_text(
+            "".join(json.dumps({"step": i + 1, "time/step_s": t}) + "\n" for i, t in enumerate(times)))
+    assert main(["--summarize", str(tmp_path), "--runs", "s0,s1p,s0"]) == 0
+    out = capsys.readouterr().out
+    assert "| s0.2 | - | 4 | 34.0 | 1.13x | 16.0 | 1.33x |" in out  # each run, against the first
+    means = out[out.index("Means over repeated runs"):].splitlines()
+    # s0: walls 30 and 34 s (mean 32), steps 2..3 12 and 16 s (mean 14); s1p: 24 s and 6 s
+    assert means[3].startswith("| s0 | 2 | 32.0 (30.0-34.0) | 1.00x | 14.0 (12.0-16.0) | 1.00x |")
+    assert means[4].startswith("| s1p | 1 | 24.0 | 0.75x | 6.0 | 0.43x |")
+    capsys.readouterr()
+    assert main(["--summarize", str(tmp_path), "--runs", "s0,s1p"]) == 0
+    assert "Means over repeated runs" not in capsys.readouterr().out  # no name ran twice
