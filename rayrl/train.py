@@ -108,8 +108,9 @@ def train(cfg: Config) -> dict:
                         summary["checkpoint"], writing = writing.commit(), None
                     saved_at = time.monotonic()
                 # the engines serve the new policy from here on (sleeping ones awake, learners offloaded); an engine
-                # lost in the sync stops the run after a checkpoint of this step (rayrl.recovery.sync)
-                lost = ((writing.commit if writing is not None else None) if saving  # None: committed already
+                # lost in the sync stops the run after a checkpoint of this step (rayrl.recovery.sync): the one being
+                # written is committed, one already committed is enough, else one is made then
+                lost = (writing.commit if writing is not None else None if saving
                         else functools.partial(save_now, cfg, actors, step, version, here))
                 sync = functools.partial(sync_weights, cfg, actors, version, lost)
                 colo.update(colocate.to_rollout(cfg, actors, sync))
@@ -344,7 +345,9 @@ class Checkpoint:
         try:
             return self.commit()
         except BaseException as e:  # noqa: BLE001 - a second signal or a lost learner: the run is ending anyway
-            print(f"rayrl: the checkpoint of step {self.step} was not completed: {e!r}", file=sys.stderr)  # noqa: T201
+            why = next(iter(str(e).splitlines()), "") or type(e).__name__
+            print(f"rayrl: the checkpoint of step {self.step} was not completed ({why}); the previous one is the "  # noqa: T201
+                  "latest", file=sys.stderr)
             return None
 
 

@@ -49,12 +49,15 @@ def test_sigkill_driver_mid_step_leaves_no_process(tiny_model, tmp_path):
         cluster.stop()
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_signal_mid_run_stops_cleanly(sig, tiny_model, tmp_path):
+@pytest.mark.parametrize("sig, background", [(signal.SIGTERM, False), (signal.SIGINT, False), (signal.SIGTERM, True)],
+                         ids=["SIGTERM", "SIGINT", "SIGTERM-async_save"])
+def test_signal_mid_run_stops_cleanly(sig, background, tiny_model, tmp_path):
     """`rayrl train` on its own local Ray gets SIGTERM / SIGINT in step 2: the actors stop, the trace is written, one
-    line names the signal, the step and the last checkpoint, exit 128 + signal, and none of its processes is left."""
+    line names the signal, the step and the last checkpoint, exit 128 + signal, and none of its processes is left.
+    With trainer.async_save, step 1's checkpoint (written beside step 2's rollout) is committed on the way out."""
     out = tmp_path / "run"
-    driver = _train(tiny_model, tmp_path, **{"trainer.save_freq": 1, "trainer.export_hf": False})
+    driver = _train(tiny_model, tmp_path, **{"trainer.save_freq": 1, "trainer.export_hf": False,
+                                             "trainer.async_save": background})
     try:
         seen: dict[int, float] = {}
         titles: dict[int, str] = {}  # the latest: a process sets its title (VLLM::EngineCore) after it starts
@@ -78,6 +81,7 @@ def test_signal_mid_run_stops_cleanly(sig, tiny_model, tmp_path):
         last = [ln for ln in text.splitlines() if ln.startswith("rayrl: stopped by")]
         assert last and last[-1].startswith(f"rayrl: stopped by {sig.name} at step "), text[-3000:]
         assert f"(last checkpoint: {out}/checkpoints/step_" in last[-1], last[-1]
+        assert (out / "checkpoints" / "step_1" / "COMPLETE").is_file() and "was not completed" not in text
         assert "Traceback" not in text, text[-3000:]
         assert (out / "trace.json").is_file()
         wait_until(lambda: not _alive(seen), timeout=30)
