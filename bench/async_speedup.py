@@ -241,16 +241,17 @@ def repeats(rows: list[dict]) -> None:
     if not groups or max(map(len, groups.values())) < 2:
         return
 
+    def values(g: list[dict], key: str) -> list[float]:
+        return [r[key] for r in g if r.get(key) is not None]
+
     def mean(g: list[dict], key: str) -> float | None:
-        v = [r[key] for r in g if r.get(key) is not None]
+        v = values(g, key)
         return sum(v) / len(v) if v else None
 
     def cell(g: list[dict], key: str, peer: float | None) -> str:
-        m = mean(g, key)
-        if m is None:
+        if not (v := values(g, key)):
             return "- | -"
-        v = [r[key] for r in g if r.get(key) is not None]
-        spread = f" ({min(v):.1f}-{max(v):.1f})" if len(v) > 1 else ""
+        m, spread = sum(v) / len(v), f" ({min(v):.1f}-{max(v):.1f})" if len(v) > 1 else ""
         return f"{m:.1f}{spread} | " + (f"{m / peer:.2f}x" if peer else "-")
 
     first = next(iter(groups.values()))
