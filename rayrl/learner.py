@@ -46,6 +46,7 @@ class Learner:
         self.params_offloaded = False  # learner.param_offload: parameters in CPU memory since the last offload()
         self._writing = None  # trainer.async_save: the background write of the last save (a DCP future)
         self._save_group = None  # the process group of background writes (a CPU backend: gloo)
+        self._stager = None  # trainer.async_save's copy of the state into CPU memory, kept between saves (_staging)
         # weights out: one sender per strategy (rayrl/weight_sync/), the driver picks which
         self._senders: dict[str, weight_sync.Sender] = {
             name: strategy.Sender(cfg, self.device, world_size) for name, strategy in weight_sync.STRATEGIES.items()}
@@ -493,8 +494,9 @@ class Learner:
 
     def save(self, ckpt_dir: str, background: bool = False) -> None:
         """Sharded model + optimizer (torch.distributed.checkpoint) and this rank's RNG into ckpt_dir. `background`
-        (trainer.async_save): the state is copied to CPU memory here and a thread writes it while the learner goes on
-        (DCP's async_save); `written()` waits for the write. A save first waits for the previous one's."""
+        (trainer.async_save): DCP's async_save copies the state into CPU memory from a thread (`_staging`) and then
+        writes it from another, while the learner goes on; the next call that changes the parameters or the optimizer
+        state waits for the copy (`_staged`), `written()` for the write. A save first waits for the previous one's."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -503,12 +505,35 @@ class Learner:
         model_sd, optim_sd = get_state_dict(self.model, self.optim)
         state, path = {"model": model_sd, "optim": optim_sd}, os.path.join(ckpt_dir, "learner")
         if background:
-            self._writing = dcp.async_save(state, checkpoint_id=path, process_group=self._save_group)
+            if self.use_cuda:  # the copy runs on its own stream: what the step queued on the GPU comes first
+                torch.cuda.current_stream().synchronize()
+            self._writing = dcp.async_save(state, checkpoint_id=path, process_group=self._save_group,
+                                           async_stager=self._staging())
         else:
             dcp.save(state, checkpoint_id=path)
         rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
                "cuda": torch.cuda.get_rng_state_all() if self.use_cuda else None}
         torch.save(rng, os.path.join(ckpt_dir, f"rng_rank{self.rank}.pt"))
+
+    def _staging(self):
+        """The stager of background saves, made at the first: on a GPU it copies into pinned CPU buffers on its own
+        CUDA stream (DCP's DefaultStager), which it keeps for the next saves; on CPU it copies in its thread. The
+        learner is then held only for the state dict's views: the copy (~1.5 s for a 135M model's ~2 GB state from an
+        H100 into pageable memory, done inside the call before: BENCHMARKS.md) overlaps the weight sync and the next
+        rollout."""
+        if self._stager is None:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            self._stager = DefaultStager(StagingOptions(use_pinned_memory=self.use_cuda, use_shared_memory=False,
+                                                        use_async_staging=True, use_non_blocking_copy=self.use_cuda))
+        return self._stager
+
+    def _staged(self) -> None:
+        """Wait until the last background save has copied the state: the optimizer step, a load and the offloads
+        change what the copy reads."""
+        staging = getattr(self._writing, "staging_completion", None)
+        if staging is not None:
+            staging.result()
 
     def written(self) -> None:
         """Wait for the background write of the last save (its error is raised here); at once when there is none."""
@@ -544,6 +569,7 @@ class Learner:
         optimizer state already lives there between steps with optimizer_offload."""
         if not self.use_cuda:
             return []
+        self._staged()
         for sender in self._senders.values():  # e.g. cuda_ipc's buffer, which sleeping engines closed after loading
             sender.release()
         if not self.cfg.learner.param_offload or self.params_offloaded:
@@ -556,7 +582,9 @@ class Learner:
         return moved
 
     def _resident(self) -> list[offload.Moved]:
-        """Parameters back on the GPU if offload() moved them (their storage changes: the senders re-read it)."""
+        """Parameters back on the GPU if offload() moved them (their storage changes: the senders re-read it). Every
+        call that changes the parameters or the optimizer state starts here: a background save's copy ends first."""
+        self._staged()
         if not self.params_offloaded:
             return []
         moved = [offload.timed("params", self.device, offload.move_model, m) for m in (self.model, self.ref)
@@ -577,6 +605,8 @@ class Learner:
                 "reserved_gib": torch.cuda.memory_reserved() / 2**30}
 
     def shutdown(self) -> None:
+        if self._stager is not None:  # its pinned buffers
+            self._stager.close()
         for sender in self._senders.values():  # e.g. the learner -> engines weight group (broadcast)
             sender.close()
         if dist.is_initialized():
