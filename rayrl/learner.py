@@ -526,6 +526,9 @@ class Learner:
 
             self._stager = DefaultStager(StagingOptions(use_pinned_memory=self.use_cuda, use_shared_memory=False,
                                                         use_async_staging=True, use_non_blocking_copy=self.use_cuda))
+            copier = getattr(self._stager, "_state_dict_stager", None)  # torch < 2.13's copier has no rule for the
+            if type not in getattr(copier, "_deepcopy_dispatch", {type: None}):  # classes in the optimizer's state
+                copier._deepcopy_dispatch[type] = lambda x, memo: x  # dict (KeyError: <class 'type'>): kept as is
         return self._stager
 
     def _staged(self) -> None:
