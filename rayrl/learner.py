@@ -46,7 +46,6 @@ class Learner:
         self.params_offloaded = False  # learner.param_offload: parameters in CPU memory since the last offload()
         self._writing = None  # trainer.async_save: the background write of the last save (a DCP future)
         self._save_group = None  # the process group of background writes (a CPU backend: gloo)
-        self._stager = None  # trainer.async_save's copy of the state into CPU memory, kept between saves (_staging)
         # weights out: one sender per strategy (rayrl/weight_sync/), the driver picks which
         self._senders: dict[str, weight_sync.Sender] = {
             name: strategy.Sender(cfg, self.device, world_size) for name, strategy in weight_sync.STRATEGIES.items()}
@@ -507,8 +506,10 @@ class Learner:
         if background:
             if self.use_cuda:  # the copy runs on its own stream: what the step queued on the GPU comes first
                 torch.cuda.current_stream().synchronize()
+            stager = self._staging()
             self._writing = dcp.async_save(state, checkpoint_id=path, process_group=self._save_group,
-                                           async_stager=self._staging())
+                                           async_stager=stager)
+            self._writing.upload_completion.add_done_callback(lambda _: stager.close())
         else:
             dcp.save(state, checkpoint_id=path)
         rng = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
@@ -516,20 +517,15 @@ class Learner:
         torch.save(rng, os.path.join(ckpt_dir, f"rng_rank{self.rank}.pt"))
 
     def _staging(self):
-        """The stager of background saves, made at the first: on a GPU it copies into pinned CPU buffers on its own
-        CUDA stream (DCP's DefaultStager), which it keeps for the next saves; on CPU it copies in its thread. The
-        learner is then held only for the state dict's views: the copy (~1.5 s for a 135M model's ~2 GB state from an
-        H100 into pageable memory, done inside the call before: BENCHMARKS.md) overlaps the weight sync and the next
-        rollout."""
-        if self._stager is None:
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+        """A stager for one background save (DCP's DefaultStager): on a GPU it copies into pinned CPU buffers on its
+        own CUDA stream, on CPU in its thread. The learner is then held only for the state dict's views: the copy
+        (~1.5 s for a 135M model's ~2 GB state from an H100 into pageable memory inside the call before:
+        BENCHMARKS.md) overlaps the weight sync and the next rollout. One per save, closed (its buffers freed) once
+        the write ends: torch 2.11's stager cannot copy twice (it clears its copier after each copy)."""
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 
-            self._stager = DefaultStager(StagingOptions(use_pinned_memory=self.use_cuda, use_shared_memory=False,
-                                                        use_async_staging=True, use_non_blocking_copy=self.use_cuda))
-            copier = getattr(self._stager, "_state_dict_stager", None)  # torch < 2.13's copier has no rule for the
-            if type not in getattr(copier, "_deepcopy_dispatch", {type: None}):  # classes in the optimizer's state
-                copier._deepcopy_dispatch[type] = lambda x, memo: x  # dict (KeyError: <class 'type'>): kept as is
-        return self._stager
+        return DefaultStager(StagingOptions(use_pinned_memory=self.use_cuda, use_shared_memory=False,
+                                            use_async_staging=True, use_non_blocking_copy=self.use_cuda))
 
     def _staged(self) -> None:
         """Wait until the last background save has copied the state: the optimizer step, a load and the offloads
@@ -608,8 +604,6 @@ class Learner:
                 "reserved_gib": torch.cuda.memory_reserved() / 2**30}
 
     def shutdown(self) -> None:
-        if self._stager is not None:  # its pinned buffers
-            self._stager.close()
         for sender in self._senders.values():  # e.g. the learner -> engines weight group (broadcast)
             sender.close()
         if dist.is_initialized():

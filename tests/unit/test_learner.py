@@ -89,9 +89,15 @@ def test_a_background_save_holds_the_state_it_was_called_with(learner, tmp_path)
 
     for d in "ab":
         (tmp_path / d).mkdir()  # rayrl.checkpoint.begin's temp dir
-    stager = learner._staging()
-    copy = stager._stage
-    stager._stage = lambda state, **kw: (time.sleep(1.0), copy(state, **kw))[1]
+    make = learner._staging
+
+    def slow():
+        stager = make()
+        copy = stager._stage
+        stager._stage = lambda state, **kw: (time.sleep(1.0), copy(state, **kw))[1]
+        return stager
+
+    learner._staging = slow
     learner.train_step(BATCH)
     t0 = time.perf_counter()
     learner.save(str(tmp_path / "a"), background=True)
