@@ -238,8 +238,8 @@ class TrainerConfig:
     # this much time plus one step, however long the steps are
     save_interval_s: float = 1800.0
     # Checkpoints written in the background: the learners copy their state to CPU memory from a thread (pinned on a
-    # GPU, and kept: one more copy of each rank's shard of weights and optimizer state in host memory; the next
-    # optimizer step waits for the copy) and another thread writes it while the run goes on; the
+    # GPU, until the write ends: one more copy of each rank's shard of weights and optimizer state in host memory; the
+    # next optimizer step waits for the copy) and another thread writes it while the run goes on; the
     # checkpoint becomes the latest once the writes end (committed after the next step's rollout, or at the run's end)
     async_save: bool = False
     resume: str = "auto"  # auto | disable | <path to a checkpoint dir>
