@@ -60,15 +60,24 @@ def commit(tmp: str, step: int, state: dict[str, Any], keep: int = KEEP) -> str:
     base = os.path.dirname(tmp)
     final = os.path.join(base, f"step_{step}")
     if os.path.exists(final):  # the same step saved before (a run resumed from an older checkpoint)
-        shutil.rmtree(final)
+        _remove(final)
     os.rename(tmp, final)
     _fsync(base)
     old, newer = stale(base, step, keep)
     for k in old:
-        shutil.rmtree(os.path.join(base, f"step_{k}"), ignore_errors=True)
+        _remove(os.path.join(base, f"step_{k}"))
     for k in newer:  # kept, out of `latest`'s way
         os.rename(os.path.join(base, f"step_{k}"), os.path.join(base, f"abandoned_step_{k}"))
     return final
+
+
+def _remove(path: str) -> None:
+    """Renamed to a temp dir first, then removed: a kill in the middle of the removal leaves a `.tmp-` dir, which the
+    next `begin` removes, never a `step_<k>` that has lost its COMPLETE (never counted again, so never pruned)."""
+    doomed = os.path.join(os.path.dirname(path), f".tmp-old-{os.path.basename(path)}")
+    shutil.rmtree(doomed, ignore_errors=True)
+    os.rename(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)
 
 
 def stale(base: str, step: int, keep: int) -> tuple[list[int], list[int]]:

@@ -66,6 +66,29 @@ def test_the_temp_dir_of_a_killed_save_goes_at_the_next_save(tmp_path):
     assert steps(out) == ["step_1"]
 
 
+def test_a_checkpoint_being_pruned_is_renamed_before_its_files_go(tmp_path, monkeypatch):
+    """A kill in the middle of pruning step_1 (its COMPLETE already removed) must not leave a `step_1` that is never
+    counted, so never pruned: the dir is renamed to a temp dir first, which the next save removes."""
+    out = str(tmp_path)
+    save(out, 1)
+    save(out, 2)
+    rmtree = checkpoint.shutil.rmtree
+
+    def killed(path, ignore_errors=False):  # the removal stops after the marker
+        if os.path.basename(path).startswith(".tmp-old-") and os.path.exists(os.path.join(path, checkpoint.MARKER)):
+            os.remove(os.path.join(path, checkpoint.MARKER))
+            raise KeyboardInterrupt
+        rmtree(path, ignore_errors=ignore_errors)
+
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", killed)
+    with pytest.raises(KeyboardInterrupt):
+        save(out, 3)
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", rmtree)
+    assert steps(out) == ["step_2", "step_3"]
+    save(out, 4)
+    assert sorted(os.listdir(checkpoint.root(out))) == ["step_3", "step_4"]
+
+
 @pytest.mark.parametrize(("step", "freq", "interval", "since", "due"), [
     (4, 0, 0, 0.0, True),  # the last step (total 4) always
     (3, 0, 0, 1e9, False),  # both off: only at the end
