@@ -81,27 +81,28 @@ def test_checkpoint_round_trip(learner, tmp_path):
 
 @pytest.mark.parametrize("learner", [["trainer.async_save=true"]], indirect=True)
 def test_a_background_save_holds_the_state_it_was_called_with(learner, tmp_path):
-    """trainer.async_save: save() returns while a thread copies the state, and the next step waits for the copy, so
+    """trainer.async_save: save() returns while a thread copies the state, and the next call waits for the copy, so
     steps taken while the write runs do not reach the checkpoint; written() waits for the write, and a second save
-    waits for the first's. The copy is slowed down here, so that a step that did not wait would change it."""
+    waits for the first's. The copy is held back here until after save() returned, so that a step that did not wait
+    would change what it copies."""
     import os
-    import time
+    import threading
 
     for d in "ab":
         (tmp_path / d).mkdir()  # rayrl.checkpoint.begin's temp dir
-    make = learner._staging
+    make, release = learner._staging, threading.Event()
 
-    def slow():
+    def held_back():
         stager = make()
         copy = stager._stage
-        stager._stage = lambda state, **kw: (time.sleep(1.0), copy(state, **kw))[1]
+        stager._stage = lambda state, **kw: (release.wait(60), copy(state, **kw))[1]
         return stager
 
-    learner._staging = slow
+    learner._staging = held_back
     learner.train_step(BATCH)
-    t0 = time.perf_counter()
     learner.save(str(tmp_path / "a"), background=True)
-    assert time.perf_counter() - t0 < 1.0 and not learner._writing.staging_completion.done()  # copied in a thread
+    assert not learner._writing.staging_completion.done()  # save() did not wait for the copy
+    threading.Timer(0.5, release.set).start()
     saved = learner.compute_logprobs(BATCH)
     learner.train_step(BATCH)  # while the write may still run
     learner.save(str(tmp_path / "b"), background=True)  # waits for a's write first
