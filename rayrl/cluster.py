@@ -23,10 +23,11 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
-from rayrl import logs, recovery, stop, weight_sync
+from rayrl import logs, mps, recovery, stop, weight_sync
 from rayrl.actors.engine import EngineActor
 from rayrl.actors.gateway import GatewayActor
 from rayrl.actors.learner import LearnerActor
+from rayrl.actors.mps import MpsActor
 from rayrl.actors.queue import TaskQueueActor
 from rayrl.actors.reward import RewardActor
 from rayrl.actors.rollout import RolloutActor
@@ -95,6 +96,7 @@ class Actors:
     weight_sync: str = "object_store"  # engine.weight_sync resolved at start: object_store | cuda_ipc | broadcast
     gateway_ports: list = field(default_factory=list)  # where each listens: a restarted Gateway listens there again
     watch: object = None  # rayrl.recovery.Watch over the actors Ray restarts (queue, reward, engines, Gateway...)
+    mps: list = field(default_factory=list)  # placement.mps: an MpsActor per node of the engines and learners
 
     def gateway(self, worker: int):
         """The Gateway rollout worker `worker` and its sessions use."""
@@ -106,11 +108,12 @@ class Actors:
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
-def _env(all_cores: bool = False) -> dict:
+def _env(all_cores: bool = False, extra: dict | None = None) -> dict:
     """An actor's runtime_env: MULTICAST_OFF, and for CPU engines and learners (`all_cores`) OMP_NUM_THREADS = every
-    core (Ray sets 1 in workers). A value in the job's runtime_env wins: it is left out here."""
+    core (Ray sets 1 in workers), and `extra` (the MPS client's). A value in the job's runtime_env wins: it is left
+    out here."""
     job_env = (ray.get_runtime_context().runtime_env or {}).get("env_vars") or {}
-    env = {k: os.environ.get(k, v) for k, v in MULTICAST_OFF.items()}
+    env = {k: os.environ.get(k, v) for k, v in MULTICAST_OFF.items()} | (extra or {})
     if all_cores:
         env["OMP_NUM_THREADS"] = str(os.cpu_count() or 1)
     env = {k: v for k, v in env.items() if k not in job_env}
@@ -220,8 +223,39 @@ class ByName(list):
         return ByName, (self.names,)
 
 
+def start_mps(cfg: Config, groups: dict) -> tuple[list, dict]:
+    """placement.mps: a control daemon on every node that holds engines or learners, up before any of them starts
+    (a CUDA process joins MPS when it first touches the GPU); returns the daemons and the environment that makes the
+    engines and learners their clients."""
+    if not cfg.placement.mps:
+        return [], {}
+    pipe_dir = f"/tmp/rayrl-mps-{uuid.uuid4().hex[:8]}"  # the run's own: nothing else on the host joins it
+    gpu_roles = [r for r, gpus in (("engine", cfg.engine.gpus_per_engine), ("learner", cfg.learner.gpus_per_worker))
+                 if gpus > 0]
+    nodes = sorted({n for r in gpu_roles for n in ray.util.placement_group_table(groups[r])["bundles_to_node_id"]
+                    .values()})
+    daemons = [MpsActor.options(name=f"rayrl/mps/{i}", **_env(),
+                                scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False)).remote(pipe_dir)
+               for i, n in enumerate(nodes)]
+    try:
+        ray.get([d.alive.remote() for d in daemons], timeout=120)  # each constructor returns once its daemon answers
+    except BaseException:
+        with contextlib.suppress(Exception):
+            ray.get([d.stop.remote() for d in daemons], timeout=60)  # those that started
+        for d in daemons:
+            ray.kill(d)
+        raise
+    return daemons, mps.env(pipe_dir)
+
+
 def start(cfg: Config, model_path: str) -> Actors:
     groups = reserve(cfg)
+    try:
+        daemons, client = start_mps(cfg, groups)
+    except BaseException:
+        for g in _unique(groups):
+            remove_placement_group(g)
+        raise
     # Ray restarts these when they die (the driver finishes the job: rayrl.recovery); a call in flight on the
     # stateless reward and sandboxes is retried on the successor. A call in flight on the queue fails: its callers
     # carry on, the driver refills the successor from its ledger.
@@ -234,10 +268,11 @@ def start(cfg: Config, model_path: str) -> Actors:
     e = cfg.engine
     engines = [EngineActor.options(name=f"rayrl/engine/{i}", num_cpus=1, num_gpus=e.gpus_per_engine, **_RESTART,
                                    max_concurrency=1000, resources=cfg.placement.engine_resources,
-                                   **engine_placement(cfg, groups, i), **_env(all_cores=e.gpus_per_engine == 0))
+                                   **engine_placement(cfg, groups, i),
+                                   **_env(all_cores=e.gpus_per_engine == 0, extra=client))
                .remote(model_path, e, cfg.model.dtype, cfg.trainer.seed + i, f"engine/{i}")
                for i in range(e.num_engines)]
-    learners = _learners(cfg, model_path, groups, cfg.learner.gpus_per_worker)
+    learners = _learners(cfg, model_path, groups, cfg.learner.gpus_per_worker, client)
     sb = cfg.sandbox
     sandboxes = [SandboxActor.options(name=f"rayrl/sandbox/{i}", num_cpus=sb.cpus_per_actor, max_concurrency=1000,
                                       **_RESTART, max_task_retries=1,
@@ -246,7 +281,8 @@ def start(cfg: Config, model_path: str) -> Actors:
     if sb.warm:  # started beside the engines' load; a zygote that cannot start falls back inside the pool
         for actor in sandboxes:
             actor.warm.remote()
-    actors = Actors(queue=queue, reward=reward, engines=engines, learners=learners, sandboxes=sandboxes, groups=groups)
+    actors = Actors(queue=queue, reward=reward, engines=engines, learners=learners, sandboxes=sandboxes, groups=groups,
+                    mps=daemons)
     try:
         # Engines and learners load in parallel; the learners rendezvous at rank 0's address. Engines that sleep
         # (engine.sleep_level) start first, at their gpu_memory_utilization of a still empty GPU, then sleep (level 1:
@@ -302,11 +338,11 @@ def _get(refs: list, timeout: float) -> list:
     return ray.get(refs, timeout=max(deadline - time.monotonic(), 0.001))  # past the deadline: GetTimeoutError
 
 
-def _learners(cfg: Config, model_path: str, groups: dict, gpus: float) -> list:
+def _learners(cfg: Config, model_path: str, groups: dict, gpus: float, client: dict | None = None) -> list:
     lc = cfg.learner
     return [LearnerActor.options(name=f"rayrl/learner/{r}", num_cpus=1, num_gpus=gpus,
                                  resources=cfg.placement.learner_resources, **_in(groups, "learner", r),
-                                 **_env(all_cores=gpus == 0))
+                                 **_env(all_cores=gpus == 0, extra=client))
             .remote(model_path, cfg, r, lc.num_workers)
             for r in range(lc.num_workers)]
 
@@ -381,5 +417,10 @@ def shutdown(actors: Actors | None, starting: bool = False) -> None:
               actors.queue]:
         if a is not None:
             ray.kill(a, no_restart=True)
+    if actors.mps:  # after their clients: a daemon quits once they have gone
+        with contextlib.suppress(Exception):
+            ray.get([d.stop.remote() for d in actors.mps], timeout=90)
+        for d in actors.mps:
+            ray.kill(d)
     for g in _unique(actors.groups):
         remove_placement_group(g)

@@ -274,6 +274,10 @@ class PlacementConfig:
     reward_resources: dict[str, float] = field(default_factory=dict)
     sandbox_resources: dict[str, float] = field(default_factory=dict)
     timeout: float = 300.0  # seconds to wait for the cluster to fit the placement groups
+    # NVIDIA MPS for the engines and learners that share a GPU: their kernels run side by side instead of in time
+    # slices (rayrl/mps.py: a control daemon per node, with folders of the run's own; `nvidia-cuda-mps-control`
+    # must be on every GPU node's PATH). For async runs on shared GPUs (BENCHMARKS.md, "MPS").
+    mps: bool = False
 
 
 @dataclass
@@ -599,6 +603,10 @@ def validate(cfg: Config, check_files: bool = True) -> None:
                 f"learner.num_workers / learner.sequence_parallel ({lr.num_workers} / {sp} = {dp})"))
     _require(e.gpus_per_engine == 0 or lr.gpus_per_worker > 0 or e.backend == "vllm",
              "engine.gpus_per_engine > 0 needs engine.backend=vllm or a GPU learner")
+    shared = 0 < e.gpus_per_engine < 1 or 0 < lr.gpus_per_worker < 1  # processes that share a GPU
+    _require(not cfg.placement.mps or shared,
+             "placement.mps=true needs processes that share a GPU: engine.gpus_per_engine or learner.gpus_per_worker "
+             f"between 0 and 1 (got {e.gpus_per_engine} and {lr.gpus_per_worker})")
     custom_reward = cfg.reward.fn not in BUILTIN_SCORERS
     _require(not custom_reward or ":" in cfg.reward.fn,
              f"reward.fn={cfg.reward.fn!r} must be one of {', '.join(BUILTIN_SCORERS)} or 'module:function'")

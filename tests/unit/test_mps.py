@@ -1,0 +1,56 @@
+"""placement.mps: the MPS control daemon of a node (rayrl.mps.MpsDaemon) against a stand-in of NVIDIA's control
+program (tests/standins: no GPU here), and the config check before anything starts."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from rayrl import mps
+from rayrl.config import ConfigError, load_config
+from tests.helpers import ROOT
+
+STANDINS = os.path.join(ROOT, "tests", "standins")
+
+
+@pytest.fixture
+def standin(monkeypatch):
+    monkeypatch.setenv("PATH", STANDINS + os.pathsep + os.environ["PATH"])
+
+
+def _commands(pipe_dir: str) -> list[str]:
+    with open(f"{pipe_dir}/log/control.log") as f:
+        return f.read().split()
+
+
+def test_the_daemon_answers_on_the_runs_own_pipe_and_quits_when_stopped(standin, tmp_path):
+    d = mps.MpsDaemon(str(tmp_path / "m"))
+    assert d.alive()
+    assert d.env == {"CUDA_MPS_PIPE_DIRECTORY": f"{tmp_path}/m/pipe", "CUDA_MPS_LOG_DIRECTORY": f"{tmp_path}/m/log"}
+    assert d.command("get_server_list") is not None
+    assert d.stop() == 0
+    assert not d.alive()
+    assert _commands(str(tmp_path / "m"))[-1] == "quit"
+    with pytest.raises(RuntimeError, match="get_server_list"):  # nobody answers on that pipe any more
+        d.command("get_server_list")
+
+
+def test_a_node_without_the_control_program_is_named(monkeypatch, tmp_path):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(RuntimeError, match=r"placement.mps: nvidia-cuda-mps-control is not on PATH on node \S+"):
+        mps.MpsDaemon(str(tmp_path / "m"))
+
+
+def test_a_daemon_that_fails_at_once_says_what_it_printed(standin, monkeypatch, tmp_path):
+    monkeypatch.setenv("STANDIN_MPS_FAIL", "1")
+    with pytest.raises(RuntimeError, match="exited with 3: An instance of this daemon is already running"):
+        mps.MpsDaemon(str(tmp_path / "m"), timeout=10)
+
+
+def test_mps_needs_processes_that_share_a_gpu():
+    with pytest.raises(ConfigError, match="placement.mps=true needs processes that share a GPU"):
+        load_config(None, ["placement.mps=true"])  # the default job: CPU engine and learner
+    cfg = load_config(None, ["placement.mps=true", "engine.backend=vllm", "engine.gpus_per_engine=0.4",
+                             "learner.gpus_per_worker=0.5"])
+    assert cfg.placement.mps
