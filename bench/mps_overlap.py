@@ -89,7 +89,7 @@ def role(args) -> None:
 
 
 def scenario(roles: list[str], args) -> list[dict]:
-    start_at = time.time() + 20  # CUDA init, model build, graph capture before it
+    start_at = time.time() + args.warmup  # CUDA init, model build, graph capture before it
     cmd = [sys.executable, os.path.abspath(__file__), "--seconds", str(args.seconds), "--start-at", str(start_at)]
     procs = [subprocess.Popen(cmd + ["--role", r], stdout=subprocess.PIPE, text=True) for r in roles]
     return [json.loads(p.communicate(timeout=args.seconds + 120)[0].strip().splitlines()[-1]) for p in procs]
@@ -117,6 +117,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--seconds", type=float, default=12.0)
     p.add_argument("--decoders", type=int, default=2)
+    p.add_argument("--warmup", type=float, default=15.0, help="seconds for the processes to start before measuring")
     p.add_argument("--role", choices=["decode", "train"])
     p.add_argument("--start-at", type=float, default=0.0)
     p.add_argument("--batch", type=int, default=128, help="sequences in a decode step")
@@ -136,7 +137,8 @@ def main() -> None:
     rows = {"alone_decode": scenario(["decode"], args)[0], "alone_train": scenario(["train"], args)[0],
             "together": scenario(together, args)}
     sub = subprocess.run(["bash", os.path.join(HERE, "gpu", "mps.sh"), sys.executable, os.path.abspath(__file__),
-                          "--mps-row", "--seconds", str(args.seconds), "--decoders", str(args.decoders)],
+                          "--mps-row", "--seconds", str(args.seconds), "--decoders", str(args.decoders),
+                          "--warmup", str(args.warmup)],
                          capture_output=True, text=True, timeout=600)
     if sub.returncode != 0:
         print(f"MPS rows failed ({sub.returncode}): {sub.stderr[-2000:]}", file=sys.stderr)
