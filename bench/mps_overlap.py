@@ -1,11 +1,11 @@
 """Two processes on one GPU, as a colocated async run has them: a vLLM-like decode loop (a CUDA graph of one token
 step for a batch of sequences through a SmolLM2-135M-sized stack of linear layers) and a learner (forward, backward
 and AdamW over batches of long rows through the same stack). Each alone, then both at once: once as the GPU runs
-them by default (the two CUDA contexts take time slices) and once under NVIDIA MPS (placement.mps), where kernels of
-both run side by side. Prints each one's speed against its own run alone, in the same call (plain torch: no vLLM,
-Ray or rayrl needed on the GPU host).
+them by default (the two CUDA contexts take time slices) and once under NVIDIA MPS, started by placement.mps's own
+daemon (`rayrl.mps.MpsDaemon`), where kernels of both run side by side. Prints each one's speed against its own run
+alone, in the same call (plain torch and rayrl's source tree: no vLLM or Ray needed on the GPU host).
 
-    python bench/mps_overlap.py [--seconds 12] [--decoders 2]   # starts MPS itself (bench/gpu/mps.sh) for its row
+    python bench/mps_overlap.py [--seconds 12] [--decoders 2]
 
 `--decoders 2` runs two decode processes beside the learner, as the two-engine layout of the async runs.
 """
@@ -17,9 +17,10 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # rayrl's tree (rayrl.mps: stdlib)
 
 
 def _stack(torch, hidden: int, inter: int, layers: int):
@@ -88,10 +89,12 @@ def role(args) -> None:
           flush=True)
 
 
-def scenario(roles: list[str], args) -> list[dict]:
+def scenario(roles: list[str], args, env: dict | None = None) -> list[dict]:
+    """Processes of these roles at once (`env`: MPS clients); each one's JSON line."""
     start_at = time.time() + args.warmup  # CUDA init, model build, graph capture before it
     cmd = [sys.executable, os.path.abspath(__file__), "--seconds", str(args.seconds), "--start-at", str(start_at)]
-    procs = [subprocess.Popen(cmd + ["--role", r], stdout=subprocess.PIPE, text=True) for r in roles]
+    procs = [subprocess.Popen(cmd + ["--role", r], stdout=subprocess.PIPE, text=True,
+                              env=None if env is None else {**os.environ, **env}) for r in roles]
     return [json.loads(p.communicate(timeout=args.seconds + 120)[0].strip().splitlines()[-1]) for p in procs]
 
 
@@ -123,27 +126,21 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=128, help="sequences in a decode step")
     p.add_argument("--rows", type=int, default=8, help="rows in a learner micro-batch")
     p.add_argument("--tokens", type=int, default=512, help="tokens in a learner row")
-    p.add_argument("--mps-row", action="store_true", help=argparse.SUPPRESS)  # run under mps.sh by main()
     args = p.parse_args()
     if args.role:
         return role(args)
+    from rayrl.mps import MpsDaemon  # stdlib only, from the tree put on sys.path above
+
     together = ["decode"] * args.decoders + ["train"]
-    if args.mps_row:  # inside mps.sh: the MPS rows
-        out = {"mps_alone_decode": scenario(["decode"], args)[0],
-               "mps_alone_train": scenario(["train"], args)[0],
-               "mps_together": scenario(together, args)}
-        print(json.dumps(out), flush=True)
-        return None
     rows = {"alone_decode": scenario(["decode"], args)[0], "alone_train": scenario(["train"], args)[0],
             "together": scenario(together, args)}
-    sub = subprocess.run(["bash", os.path.join(HERE, "gpu", "mps.sh"), sys.executable, os.path.abspath(__file__),
-                          "--mps-row", "--seconds", str(args.seconds), "--decoders", str(args.decoders),
-                          "--warmup", str(args.warmup)],
-                         capture_output=True, text=True, timeout=600)
-    if sub.returncode != 0:
-        print(f"MPS rows failed ({sub.returncode}): {sub.stderr[-2000:]}", file=sys.stderr)
-    else:
-        rows.update(json.loads(sub.stdout.strip().splitlines()[-1]))
+    daemon = MpsDaemon(tempfile.mkdtemp(prefix="rayrl-mps-bench-"))
+    try:
+        rows.update(mps_alone_decode=scenario(["decode"], args, daemon.env)[0],
+                    mps_alone_train=scenario(["train"], args, daemon.env)[0],
+                    mps_together=scenario(together, args, daemon.env))
+    finally:
+        daemon.stop()
     print(json.dumps(rows))
     report(rows, args.decoders)
     return None

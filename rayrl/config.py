@@ -276,7 +276,7 @@ class PlacementConfig:
     timeout: float = 300.0  # seconds to wait for the cluster to fit the placement groups
     # NVIDIA MPS for the engines and learners that share a GPU: their kernels run side by side instead of in time
     # slices (rayrl/mps.py: a control daemon per node, with folders of the run's own; `nvidia-cuda-mps-control`
-    # must be on every GPU node's PATH). For async runs on shared GPUs (BENCHMARKS.md, "MPS").
+    # must be on every GPU node's PATH). For async runs on shared GPUs (BENCHMARKS.md, "Time slices against MPS").
     mps: bool = False
 
 

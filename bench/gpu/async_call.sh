@@ -1,9 +1,8 @@
 #!/usr/bin/env bash
 # One async_gpu.sh run in one device call, py-spy beside it (pyspy_during.sh, at step PROFILE_STEP), everything packed
 # into OUT/RUN.tgz (the device returns few files) and the summaries printed:
-#   [MPS=1] bash bench/gpu/async_call.sh RUN OUT [ROOT [overrides]]  # ROOT (default .): a tree holding an older
-#                                                            # rayrl (e.g. .gpu-old), run from it; overrides go to
-#                                                            # every run; MPS=1 runs it under NVIDIA MPS (mps.sh)
+#   bash bench/gpu/async_call.sh RUN OUT [ROOT [overrides]]  # ROOT (default .): a tree holding an older rayrl (e.g.
+#                                                            # .gpu-old), run from it; overrides go to every run
 # The SFT (retool_gpu.sh sft) must have run earlier in the same warm period.
 set -uo pipefail
 run=${1:?RUN}; out=$(realpath -m "${2:?OUT}"); root=${3:-.}; shift $(($# < 3 ? $# : 3))
@@ -12,8 +11,7 @@ command -v py-spy > /dev/null || for x in .gpu-bundles/extra/py_spy-*.whl; do  #
   [ -e "$x" ] && python3 -m pip install -q --no-index --no-deps --target /tmp/site "$x"; done
 (cd "$root" && python3 -c "import rayrl; print('rayrl from', rayrl.__file__)") | tee "$out/$run.log"
 bash "$here/pyspy_during.sh" "$a/pyspy" "$a/$run/metrics.jsonl" "${PROFILE_STEP:-5}" 10 &
-mps=(); [ "${MPS:-0}" = 1 ] && mps=(bash "$here/mps.sh")  # MPS=1: the run under NVIDIA MPS (mps.sh)
-(cd "$root" && RUNS=$run STEPS=${STEPS:-16} RUN_TIMEOUT=${RUN_TIMEOUT:-300} "${mps[@]}" bash bench/gpu/async_gpu.sh "$a" "$@") \
+(cd "$root" && RUNS=$run STEPS=${STEPS:-16} RUN_TIMEOUT=${RUN_TIMEOUT:-300} bash bench/gpu/async_gpu.sh "$a" "$@") \
   >> "$out/$run.log" 2>&1
 kill %1 2>/dev/null; wait
 tar -xzf "$a/$run/logs.tgz" -O trace.json 2>/dev/null | gzip > "$a/$run/trace.json.gz"
