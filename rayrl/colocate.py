@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import ray
 
-from rayrl import checkpoint
+from rayrl import checkpoint, recovery
 from rayrl.config import Config
 
 
@@ -36,8 +36,15 @@ def warm_up_beside_rollout(cfg: Config) -> bool:
     return compiled and lc.gpus_per_worker > 0 and not (sleeping(cfg) or lc.param_offload)
 
 
-def _free_gib(actors, timeout: float) -> float:
-    return ray.get(actors.learners[0].memory.remote(), timeout=timeout).get("free_gib", 0.0)
+def _learners(cfg: Config, actors, call: str, timeout: float) -> list:
+    """`call` on every learner rank; a rank that died in it stops the run (rayrl.recovery.LearnerLost)."""
+    with recovery.learners_kept(actors.learners, f"the learners' {call}", cfg.trainer.output_dir):
+        return ray.get([getattr(ln, call).remote() for ln in actors.learners], timeout=timeout)
+
+
+def _free_gib(cfg: Config, actors, timeout: float) -> float:
+    with recovery.learners_kept(actors.learners, "the learners' memory query", cfg.trainer.output_dir):
+        return ray.get(actors.learners[0].memory.remote(), timeout=timeout).get("free_gib", 0.0)
 
 
 def to_training(cfg: Config, actors, level: int | None = None) -> dict[str, float]:
@@ -45,11 +52,11 @@ def to_training(cfg: Config, actors, level: int | None = None) -> dict[str, floa
     if not sleeping(cfg):
         return {}
     timeout = cfg.engine.sync_timeout + 60
-    free0 = _free_gib(actors, timeout)
+    free0 = _free_gib(cfg, actors, timeout)
     t0 = time.perf_counter()
     ray.get([e.sleep.remote(level or cfg.engine.sleep_level) for e in actors.engines], timeout=timeout)
     return {"colocate/sleep_s": time.perf_counter() - t0,
-            "colocate/sleep_freed_gib": _free_gib(actors, timeout) - free0}
+            "colocate/sleep_freed_gib": _free_gib(cfg, actors, timeout) - free0}
 
 
 def to_rollout(cfg: Config, actors, sync: Callable[[], float]) -> dict[str, float]:
@@ -58,15 +65,15 @@ def to_rollout(cfg: Config, actors, sync: Callable[[], float]) -> dict[str, floa
     timeout = cfg.engine.sync_timeout + 60
     if not sleeping(cfg):
         sync_s = sync()
-        moved = ray.get([ln.offload.remote() for ln in actors.learners], timeout=cfg.learner.timeout)
+        moved = _learners(cfg, actors, "offload", cfg.learner.timeout)
         return {"sync/seconds": sync_s, **_offload_metrics(moved)}
     t0 = time.perf_counter()
     ray.get([e.wake_up.remote(["weights"]) for e in actors.engines], timeout=timeout)
     wake_weights = time.perf_counter() - t0
     sync_s = sync()
-    free0 = _free_gib(actors, timeout)
-    moved = ray.get([ln.offload.remote() for ln in actors.learners], timeout=cfg.learner.timeout)
-    free1 = _free_gib(actors, timeout)
+    free0 = _free_gib(cfg, actors, timeout)
+    moved = _learners(cfg, actors, "offload", cfg.learner.timeout)
+    free1 = _free_gib(cfg, actors, timeout)
     t1 = time.perf_counter()
     ray.get([e.wake_up.remote(["kv_cache"]) for e in actors.engines], timeout=timeout)
     return {"sync/seconds": sync_s, "colocate/wake_s": wake_weights + time.perf_counter() - t1,

@@ -117,7 +117,7 @@ def failure(e: BaseException, folder: str | None) -> str | None:
     import ray
 
     where, last = None, None
-    for err in _chain(e):
+    for err in chain(e):
         text = str(err)
         if isinstance(err, (ray.exceptions.RayTaskError, ray.exceptions.RayActorError)):
             where = _actor(text, folder) or where
@@ -146,7 +146,7 @@ def _actor(text: str, folder: str | None) -> tuple[str, str | None, str | None] 
     return name.group(1), log, ip and ip.group(1)
 
 
-def _chain(e: BaseException | None):
+def chain(e: BaseException | None):
     """`e`, then what caused it: a RayTaskError's cause (the exception the actor raised), else __cause__/__context__."""
     import ray
 

@@ -144,28 +144,44 @@ class Watch:
 
 
 def dead(handles: dict[str, object], wait: float = 10.0) -> list[str]:
-    """The names of the actors in `handles` that are dead (an actor busy for `wait` s counts as alive)."""
+    """The names of the actors in `handles` that are dead (an actor busy for `wait` s counts as alive, as does one
+    whose answer could not be read: this check never raises)."""
     refs = {name: h.__ray_call__.remote(_pid) for name, h in handles.items()}
     ready, _ = ray.wait(list(refs.values()), num_returns=len(refs), timeout=wait)
     out = []
     for name, ref in refs.items():
         try:
             if ref in ready:
-                ray.get(ref, timeout=1)
+                ray.get(ref, timeout=10)
         except ray.exceptions.RayActorError:
             out.append(name)
+        except ray.exceptions.RayError:
+            pass
     return out
+
+
+def died_in(e: BaseException, handles: dict[str, object]) -> list[str]:
+    """The names of the actors in `handles` whose death `e` reports (an ActorDiedError anywhere in its chain)."""
+    ids = {err.actor_id for err in logs.chain(e) if isinstance(err, ray.exceptions.ActorDiedError)}
+    return [name for name, h in handles.items() if h._actor_id.hex() in ids]
 
 
 @contextlib.contextmanager
 def learners_kept(learners: list, during: str, output_dir: str) -> Iterator[None]:
     """A failure in the block behind which a learner rank is dead becomes LearnerLost (one line, naming the rank and
-    the checkpoint a rerun resumes from); other failures pass as they are."""
+    the checkpoint a rerun resumes from); other failures pass as they are. A rank is dead when the failure says so
+    (its ActorDiedError) or when it no longer answers a call (`dead`: another rank that died meanwhile)."""
     try:
         yield
+    except LearnerLost:  # said by a block within
+        raise
     except Exception as e:
-        if stop.found(e) is None and (gone := dead({f"learner/{r}": ln for r, ln in enumerate(learners)})):
-            raise LearnerLost(gone, during, checkpoint.latest(output_dir)) from None
+        if stop.found(e) is None:
+            ranks = {f"learner/{r}": ln for r, ln in enumerate(learners)}
+            said = died_in(e, ranks)
+            if gone := sorted(set(said) | set(dead({n: h for n, h in ranks.items() if n not in said})),
+                              key=list(ranks).index):
+                raise LearnerLost(gone, during, checkpoint.latest(output_dir)) from None
         raise
 
 

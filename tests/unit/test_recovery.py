@@ -8,14 +8,14 @@ import pytest
 import ray.exceptions
 from ray.core.generated.common_pb2 import ActorDiedErrorContext
 
-from rayrl.recovery import InfraError, RoleLost, infra_role
+from rayrl.recovery import InfraError, RoleLost, died_in, infra_role
 from rayrl.sandbox.result import SandboxUnavailable
 
 REQ = httpx.Request("POST", "http://127.0.0.1:1/sessions/s/v1/chat/completions")
 
 
-def died(cls: str) -> ray.exceptions.ActorDiedError:
-    return ray.exceptions.ActorDiedError(ActorDiedErrorContext(class_name=cls, actor_id=b"\0" * 16,
+def died(cls: str, actor_id: bytes = b"\0" * 16) -> ray.exceptions.ActorDiedError:
+    return ray.exceptions.ActorDiedError(ActorDiedErrorContext(class_name=cls, actor_id=actor_id,
                                                                error_message="the worker process was killed"))
 
 
@@ -99,3 +99,19 @@ def test_an_agent_cut_off_while_waiting_for_the_llm_is_noted_by_session() -> Non
         return waits.cut
 
     assert asyncio.run(main()) == {"slow": True}
+
+
+class Handle:
+    """What `died_in` reads of a Ray actor handle: its actor id."""
+
+    def __init__(self, raw: bytes):
+        self._actor_id = ray.ActorID(raw)
+
+
+def test_the_rank_a_failure_reports_dead_is_named() -> None:
+    """A learner rank's ActorDiedError anywhere in the failure's chain names that rank (and only it), without asking
+    the rank anything: the driver's one line names it even when Ray is slow to answer for a dead actor."""
+    ranks = {"learner/0": Handle(b"\1" * 16), "learner/1": Handle(b"\2" * 16)}
+    assert died_in(chained(RuntimeError("update"), died("Learner", b"\2" * 16)), ranks) == ["learner/1"]
+    assert died_in(died("Learner", b"\3" * 16), ranks) == []  # another actor's death
+    assert died_in(RuntimeError("the update's own error"), ranks) == []
