@@ -5,7 +5,8 @@ it in time slices: a decode step waits out the learner's slice and the other way
 side by side through one server per GPU. `MpsDaemon` runs NVIDIA's control daemon (`nvidia-cuda-mps-control -f`) for
 one node, with pipe and log folders of this run's own (`pipe_dir`): only processes that carry `env(pipe_dir)` (the
 engines and learners) connect to it, nothing else on the host does, and no setting of the card changes (not its
-compute mode). `rayrl.actors.mps.MpsActor` is its Ray shell, one per node.
+compute mode). A daemon that quits when asked takes its folder with it; one that had to be killed leaves it (its
+logs say why). `rayrl.actors.mps.MpsActor` is its Ray shell, one per node.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ class MpsDaemon:
 
     def __init__(self, pipe_dir: str, timeout: float = 30.0):
         self.env = env(pipe_dir)
+        self.pipe_dir = pipe_dir
         self.timeout = timeout
         self.node = socket.gethostname()
         self._exe = exe = shutil.which(CONTROL)
@@ -82,7 +84,8 @@ class MpsDaemon:
         return self._proc.poll() is None
 
     def stop(self) -> int | None:
-        """Ask the daemon to quit (after its clients have gone), then make sure it has; its exit code."""
+        """Ask the daemon to quit (after its clients have gone), then make sure it has; its exit code. The run's
+        folder goes once the daemon has quit cleanly."""
         if self._proc.poll() is None:
             self.command("quit", check=False)
             try:
@@ -90,4 +93,6 @@ class MpsDaemon:
             except subprocess.TimeoutExpired:
                 self._proc.kill()
                 self._proc.wait(timeout=10)
+        if self._proc.returncode == 0:
+            shutil.rmtree(self.pipe_dir, ignore_errors=True)
         return self._proc.returncode

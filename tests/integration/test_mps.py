@@ -48,6 +48,4 @@ def test_a_daemon_per_node_serves_the_engines_and_learners_and_stops_after_them(
     outsider = Client.options(**cluster._env()).remote()  # no client environment: the host's default pipe, no daemon
     assert ray.get(outsider.ask.remote(), timeout=60) == (None, 1)
     cluster.shutdown(cluster.Actors(queue=None, reward=None, engines=[probe], mps=daemons, groups=groups))
-    with open(f"{client['CUDA_MPS_LOG_DIRECTORY']}/control.log") as f:
-        assert f.read().split()[-1] == "quit"
-    assert not os.path.exists(f"{pipe}/control")
+    assert not os.path.exists(os.path.dirname(pipe))  # quit (the stand-in exits 0 on `quit` only): folder removed

@@ -29,11 +29,19 @@ def test_the_daemon_answers_on_the_runs_own_pipe_and_quits_when_stopped(standin,
     assert d.alive()
     assert d.env == {"CUDA_MPS_PIPE_DIRECTORY": f"{tmp_path}/m/pipe", "CUDA_MPS_LOG_DIRECTORY": f"{tmp_path}/m/log"}
     assert d.command("get_server_list") is not None
-    assert d.stop() == 0
+    assert _commands(str(tmp_path / "m")) == ["get_server_list"] * 2  # the start's readiness probe, then ours
+    assert d.stop() == 0  # the stand-in exits 0 on `quit` only
     assert not d.alive()
-    assert _commands(str(tmp_path / "m"))[-1] == "quit"
+    assert not (tmp_path / "m").exists()  # the run's folder goes with it
     with pytest.raises(RuntimeError, match="get_server_list"):  # nobody answers on that pipe any more
         d.command("get_server_list")
+
+
+def test_a_daemon_that_had_to_be_killed_leaves_its_logs(standin, monkeypatch, tmp_path):
+    monkeypatch.setenv("STANDIN_MPS_DEAF", "1")
+    d = mps.MpsDaemon(str(tmp_path / "m"), timeout=2)
+    assert d.stop() == -9  # `quit` answered, not obeyed: killed after the timeout
+    assert _commands(str(tmp_path / "m"))[-1] == "quit"
 
 
 def test_a_node_without_the_control_program_is_named(monkeypatch, tmp_path):
