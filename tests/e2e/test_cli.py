@@ -28,14 +28,17 @@ def test_config_error_exits_2_with_one_line(overrides, message):
 
 
 def test_bad_data_row_exits_2_before_ray_starts(tmp_path):
+    """Before Ray and before the default model is converted (an empty model cache stays empty)."""
     rows = tmp_path / "rows.jsonl"
     rows.write_text('{"prompt": [{"role": "user", "content": "1+1"}], "reward_model": {"style": "rule"}, '
                     '"data_source": "x"}\n')
+    env = {**os.environ, "RAYRL_CACHE": str(tmp_path / "cache")}
     p = subprocess.run([sys.executable, "-m", "rayrl", "train", f"data.source={rows}"], capture_output=True, text=True,
-                       timeout=300, cwd=ROOT)
+                       timeout=300, cwd=ROOT, env=env)
     assert p.returncode == 2 and "Ray instance" not in p.stderr, p.stderr
     assert p.stderr.strip() == (f"rayrl: data error: {rows} row 1: reward_model must be a mapping with a "
                                 "ground_truth, got {'style': 'rule'}")
+    assert not (tmp_path / "cache").exists()
 
 
 def test_rayrl_train_reports_a_config_error_before_importing_ray_torch_verl():
