@@ -248,6 +248,14 @@ def start_mps(cfg: Config, groups: dict) -> tuple[list, dict]:
     return daemons, mps.env(pipe_dir)
 
 
+def mps_unjoined(actors: Actors) -> list[str]:
+    """placement.mps, once the engines and learners hold their GPU memory: a warning line for each node whose daemon
+    none of them joined (they then take turns on the GPU in time slices, as without MPS)."""
+    joined = ray.get([d.clients.remote() for d in actors.mps], timeout=60)
+    return [f"rayrl: placement.mps: no engine or learner joined the MPS daemon on node {node}; they share its GPU in "
+            "time slices, as without MPS" for node, pids in joined if not pids]
+
+
 def start(cfg: Config, model_path: str) -> Actors:
     groups = reserve(cfg)
     try:

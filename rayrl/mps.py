@@ -80,6 +80,12 @@ class MpsDaemon:
             return None
         return out.stdout
 
+    def clients(self) -> tuple[str, list[int]]:
+        """This node's name and the pids of the processes that joined the daemon (through the servers it started for
+        them: one per GPU in use)."""
+        servers = self.command("get_server_list").split()
+        return self.node, [int(p) for s in servers for p in self.command(f"get_client_list {s}").split()]
+
     def alive(self) -> bool:
         return self._proc.poll() is None
 

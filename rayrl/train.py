@@ -69,6 +69,8 @@ def train(cfg: Config) -> dict:
     try:
         with trace.span("start actors"):
             actors = cluster.start(cfg, model_path)
+            for line in cluster.mps_unjoined(actors):
+                print(line, file=sys.stderr)  # noqa: T201
             step, version = resume(cfg, actors, data)
             # a resumed run's weights reach the engines (sleeping engines wake with them; learners offload)
             colocate.to_rollout(cfg, actors, lambda: sync_weights(cfg, actors, version) if step else 0.0)

@@ -5,6 +5,7 @@ client environment reaches it; shutdown stops it after them."""
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 
 import pytest
@@ -47,5 +48,10 @@ def test_a_daemon_per_node_serves_the_engines_and_learners_and_stops_after_them(
     assert ray.get(probe.ask.remote(), timeout=60) == (pipe, 0)
     outsider = Client.options(**cluster._env()).remote()  # no client environment: the host's default pipe, no daemon
     assert ray.get(outsider.ask.remote(), timeout=60) == (None, 1)
-    cluster.shutdown(cluster.Actors(queue=None, reward=None, engines=[probe], mps=daemons, groups=groups))
+    actors = cluster.Actors(queue=None, reward=None, engines=[probe], mps=daemons, groups=groups)
+    # no CUDA process here: none joined, and the warning names the node
+    assert cluster.mps_unjoined(actors) == [
+        f"rayrl: placement.mps: no engine or learner joined the MPS daemon on node {socket.gethostname()}; they share "
+        "its GPU in time slices, as without MPS"]
+    cluster.shutdown(actors)
     assert not os.path.exists(os.path.dirname(pipe))  # quit (the stand-in exits 0 on `quit` only): folder removed

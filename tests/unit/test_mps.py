@@ -37,6 +37,16 @@ def test_the_daemon_answers_on_the_runs_own_pipe_and_quits_when_stopped(standin,
         d.command("get_server_list")
 
 
+def test_the_clients_are_the_processes_its_servers_serve(standin, monkeypatch, tmp_path):
+    d = mps.MpsDaemon(str(tmp_path / "none"))
+    assert d.clients() == (d.node, [])  # no process here touches a GPU: no server started
+    d.stop()
+    monkeypatch.setenv("STANDIN_MPS_CLIENTS", "101 102")
+    d = mps.MpsDaemon(str(tmp_path / "two"))
+    assert d.clients() == (d.node, [101, 102])
+    d.stop()
+
+
 def test_a_daemon_that_had_to_be_killed_leaves_its_logs(standin, monkeypatch, tmp_path):
     monkeypatch.setenv("STANDIN_MPS_DEAF", "1")
     d = mps.MpsDaemon(str(tmp_path / "m"), timeout=2)
