@@ -36,14 +36,18 @@ def warm_up_beside_rollout(cfg: Config) -> bool:
     return compiled and lc.gpus_per_worker > 0 and not (sleeping(cfg) or lc.param_offload)
 
 
-def _learners(cfg: Config, actors, call: str, timeout: float) -> list:
-    """`call` on every learner rank; a rank that died in it stops the run (rayrl.recovery.LearnerLost)."""
-    with recovery.learners_kept(actors.learners, f"the learners' {call}", cfg.trainer.output_dir):
-        return ray.get([getattr(ln, call).remote() for ln in actors.learners], timeout=timeout)
+def _kept(cfg: Config, actors, call: str):
+    """A learner rank that dies in `call` stops the run (rayrl.recovery.LearnerLost)."""
+    return recovery.learners_kept(actors.learners, f"the learners' {call}", cfg.trainer.output_dir)
+
+
+def _offload(cfg: Config, actors) -> list:
+    with _kept(cfg, actors, "offload"):
+        return ray.get([ln.offload.remote() for ln in actors.learners], timeout=cfg.learner.timeout)
 
 
 def _free_gib(cfg: Config, actors, timeout: float) -> float:
-    with recovery.learners_kept(actors.learners, "the learners' memory query", cfg.trainer.output_dir):
+    with _kept(cfg, actors, "memory query"):
         return ray.get(actors.learners[0].memory.remote(), timeout=timeout).get("free_gib", 0.0)
 
 
@@ -65,14 +69,14 @@ def to_rollout(cfg: Config, actors, sync: Callable[[], float]) -> dict[str, floa
     timeout = cfg.engine.sync_timeout + 60
     if not sleeping(cfg):
         sync_s = sync()
-        moved = _learners(cfg, actors, "offload", cfg.learner.timeout)
+        moved = _offload(cfg, actors)
         return {"sync/seconds": sync_s, **_offload_metrics(moved)}
     t0 = time.perf_counter()
     ray.get([e.wake_up.remote(["weights"]) for e in actors.engines], timeout=timeout)
     wake_weights = time.perf_counter() - t0
     sync_s = sync()
     free0 = _free_gib(cfg, actors, timeout)
-    moved = _learners(cfg, actors, "offload", cfg.learner.timeout)
+    moved = _offload(cfg, actors)
     free1 = _free_gib(cfg, actors, timeout)
     t1 = time.perf_counter()
     ray.get([e.wake_up.remote(["kv_cache"]) for e in actors.engines], timeout=timeout)

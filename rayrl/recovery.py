@@ -179,8 +179,8 @@ def learners_kept(learners: list, during: str, output_dir: str) -> Iterator[None
         if stop.found(e) is None:
             ranks = {f"learner/{r}": ln for r, ln in enumerate(learners)}
             said = died_in(e, ranks)
-            if gone := sorted(set(said) | set(dead({n: h for n, h in ranks.items() if n not in said})),
-                              key=list(ranks).index):
+            silent = dead({n: h for n, h in ranks.items() if n not in said})
+            if gone := [n for n in ranks if n in said or n in silent]:
                 raise LearnerLost(gone, during, checkpoint.latest(output_dir)) from None
         raise
 
