@@ -232,6 +232,9 @@ class _VLLM:
         if cfg.gpus_per_engine == 0:
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.kv_cache_gb))
             os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")  # use every core; the default holds one back
+            # The model worker inside the EngineCore process (vLLM's uni executor, as on a GPU): by default the CPU
+            # platform spawns a third process for it, which imports vLLM again (~7 s of each engine start here)
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # per-request INFO lines drown the step log
         from vllm import AsyncEngineArgs

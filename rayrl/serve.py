@@ -42,6 +42,7 @@ def main(argv: list[str]) -> int:
     if not torch.cuda.is_available():  # the CPU build: its KV cache size and every core (as rayrl's CPU engines)
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
         env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+        env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the worker inside the EngineCore (rayrl.engine)
     name = a.served_model_name or a.model
     shown = "127.0.0.1" if a.host in ("0.0.0.0", "") else a.host
     print(f"rayrl serve: {a.model} as {name!r} at http://{shown}:{a.port}/v1 (hermes tool calls)", flush=True)
