@@ -4,7 +4,7 @@ its own (the peer: rayrl before it), in the same run.
 
 The real `rayrl.engine.Engine` (vLLM backend, the CI's engine settings) over `--model`, in a fresh process per start
 (the imports are part of the cost), the two sides alternating for `--rounds`. Each start is timed from the process's
-first line to the engine's readiness, then one 16-token generation.
+first line to the engine's readiness, then one greedy 16-token generation (the same tokens on both sides, checked).
 
     python bench/engine_start.py                      # SmolLM2-135M, 3 rounds
 """
@@ -37,7 +37,7 @@ async def child(model: str) -> dict:
     t_gen = time.perf_counter()
     await engine.shutdown()
     return {"ready_s": t_ready - T0, "imports_s": t_import - T0, "first_generate_s": t_gen - t_ready,
-            "tokens": len(gen.token_ids)}
+            "token_ids": gen.token_ids}
 
 
 def main() -> None:
@@ -72,6 +72,8 @@ def main() -> None:
         med = statistics.median(ready)
         print(f"| {side} | {med:.1f} ({min(ready):.1f}-{max(ready):.1f}) | {med / peer:.2f}x | "
               f"{statistics.median(t['first_generate_s'] for t in ts):.2f} |")
+    outputs = {json.dumps(t["token_ids"]) for ts in times.values() for t in ts}
+    print(f"greedy tokens of every start {'the same' if len(outputs) == 1 else 'DIFFER'}: {sorted(outputs)}")
 
 
 if __name__ == "__main__":
