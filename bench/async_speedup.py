@@ -147,16 +147,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--val", default="reasoning_gym:basic_arithmetic", help="validation source (after the last step)")
     p.add_argument("--val-size", type=int, default=32)
     p.add_argument("--timeout", type=float, default=3600, help="seconds per run")
-    p.add_argument("--summarize", metavar="DIR[,DIR...]",
-                   help="no runs: the tables of DIR/<run>/ (metrics, trace) in each DIR that has it")
+    p.add_argument("--summarize", metavar="DIR[=TAG][,DIR...]",
+                   help="no runs: the tables of DIR/<run>/ (metrics, trace) in each DIR that has it; a DIR's TAG "
+                        "names its runs <run>+TAG, kept apart from untagged runs of that name (e.g. =mps for "
+                        "runs with placement.mps=true)")
     p.add_argument("overrides", nargs="*", help="section.key=value for every run (after --)")
     a = p.parse_args(argv)
     names = a.runs.split(",")
     for name in names:
         run_overrides(name)  # a bad name fails before any run starts
     if a.summarize:
-        rows = [stored(d, label) for d in a.summarize.split(",") for label in labels(names)
-                if os.path.exists(os.path.join(d, label, "metrics.jsonl"))]
+        rows = [tagged(stored(d, label), tag) for d, _, tag in (e.partition("=") for e in a.summarize.split(","))
+                for label in labels(names) if os.path.exists(os.path.join(d, label, "metrics.jsonl"))]
         table(rows)
         repeats(rows)
         return 0
@@ -211,6 +213,14 @@ def stored(out: str, name: str) -> dict:
                        if os.path.exists(t)), None)
     if row.get("steps") and trace_path:
         row["busy_share_phases"], row["busy_share"] = row["busy_share"], busy_share_from_trace(trace_path)
+    return row
+
+
+def tagged(row: dict, tag: str) -> dict:
+    """A row of a tagged folder: `s1p` -> `s1p+mps`, `s1p.2` -> `s1p+mps.2` (its own name in the means table)."""
+    if tag:
+        name, dot, rest = row["run"].partition(".")
+        row["run"] = f"{name}+{tag}{dot}{rest}"
     return row
 
 

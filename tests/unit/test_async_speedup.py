@@ -103,3 +103,22 @@ def test_a_name_given_twice_runs_twice_and_the_means_table_shows_each_names_rang
     capsys.readouterr()
     assert main(["--summarize", str(tmp_path), "--runs", "s0,s1p"]) == 0
     assert "Means over repeated runs" not in capsys.readouterr().out  # no name ran twice
+
+
+def test_a_tagged_folders_runs_keep_their_own_name_in_both_tables(tmp_path, capsys):
+    from async_speedup import main
+
+    for folder, times in (("plain/s0", [9.0, 6.0, 6.0, 9.0]), ("plain/s1p", [9.0, 5.0, 5.0, 9.0]),
+                          ("mps/s0", [9.0, 7.0, 7.0, 9.0]), ("mps/s1p", [9.0, 3.0, 3.0, 9.0]),
+                          ("mps2/s1p", [9.0, 4.0, 4.0, 9.0])):
+        (tmp_path / folder).mkdir(parents=True)
+        (tmp_path / folder / "metrics.jsonl").write_text(
+            "".join(json.dumps({"step": i + 1, "time/step_s": t}) + "\n" for i, t in enumerate(times)))
+    dirs = f"{tmp_path / 'plain'},{tmp_path / 'mps'}=mps,{tmp_path / 'mps2'}=mps"
+    assert main(["--summarize", dirs, "--runs", "s0,s1p"]) == 0
+    out = capsys.readouterr().out
+    assert "| s0+mps | - | 4 | 32.0 | 1.07x | 14.0 | 1.17x |" in out  # against the untagged s0 (30 s, 12 s)
+    means = out[out.index("Means over repeated runs"):].splitlines()
+    assert [m.split(" | ")[0:2] for m in means[3:]] == [["| s0", "1"], ["| s1p", "1"], ["| s0+mps", "1"],
+                                                       ["| s1p+mps", "2"]]
+    assert means[6].startswith("| s1p+mps | 2 | 25.0 (24.0-26.0) | 0.83x | 7.0 (6.0-8.0) | 0.58x |")
