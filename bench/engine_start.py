@@ -36,7 +36,7 @@ async def child(model: str) -> dict:
     gen = await engine.generate([1, 2, 3, 4], Sampling(max_tokens=16, temperature=0.0, ignore_eos=True))
     t_gen = time.perf_counter()
     await engine.shutdown()
-    return {"ready_s": t_ready - T0, "imports_s": t_import - T0, "first_generate_s": t_gen - t_ready,
+    return {"ready_s": t_ready - T0, "rayrl_import_s": t_import - T0, "first_generate_s": t_gen - t_ready,
             "token_ids": gen.token_ids}
 
 
