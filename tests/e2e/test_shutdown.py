@@ -52,7 +52,7 @@ def test_sigkill_driver_mid_step_leaves_no_process(tiny_model, tmp_path):
 @pytest.mark.parametrize("sig, background", [(signal.SIGTERM, False), (signal.SIGINT, False), (signal.SIGTERM, True)],
                          ids=["SIGTERM", "SIGINT", "SIGTERM-async_save"])
 def test_signal_mid_run_stops_cleanly(sig, background, tiny_model, tmp_path):
-    """`rayrl train` on its own local Ray gets SIGTERM / SIGINT in step 2: the actors stop, the trace is written, one
+    """`rayrl train` on its own local Ray gets SIGTERM / SIGINT after step 1: the actors stop, the trace is written, one
     line names the signal, the step and the last checkpoint, exit 128 + signal, and none of its processes is left.
     With trainer.async_save, the checkpoint written beside the signalled step's rollout is committed on the way out."""
     out = tmp_path / "run"
