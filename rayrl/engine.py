@@ -230,11 +230,8 @@ class _VLLM:
     async def start(self) -> None:
         cfg = self.eng.cfg
         if cfg.gpus_per_engine == 0:
-            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(cfg.kv_cache_gb))
-            os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")  # use every core; the default holds one back
-            # The model worker inside the EngineCore process (vLLM's uni executor, as on a GPU): by default the CPU
-            # platform spawns a third process for it, which imports vLLM again (~7 s of each engine start here)
-            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+            for k, v in cpu_env(cfg.kv_cache_gb).items():
+                os.environ.setdefault(k, v)
         os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # per-request INFO lines drown the step log
         from vllm import AsyncEngineArgs
@@ -371,6 +368,15 @@ def _kill_children(older: set[int]) -> None:
 
 
 @functools.cache
+def cpu_env(kv_cache_gb: int) -> dict[str, str]:
+    """vLLM's settings for a CPU engine (rayrl's engines and `rayrl serve`), as defaults a set variable overrides."""
+    return {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gb),
+            "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",  # use every core; the default holds one back
+            # the model worker inside the EngineCore process (vLLM's uni executor, as on a GPU): by default the CPU
+            # platform spawns a third process for it, which imports vLLM again (~7 s of each engine start here)
+            "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
 def _flat_logprobs() -> dict:
     """SamplingParams(flat_logprobs=True) where this vLLM has it (0.11+), else nothing."""
     from vllm import SamplingParams

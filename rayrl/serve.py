@@ -38,11 +38,12 @@ def main(argv: list[str]) -> int:
         return 2
     import torch
 
-    env = dict(os.environ)
-    if not torch.cuda.is_available():  # the CPU build: its KV cache size and every core (as rayrl's CPU engines)
-        env.setdefault("VLLM_CPU_KVCACHE_SPACE", "4")
-        env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
-        env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the worker inside the EngineCore (rayrl.engine)
+    from rayrl.config import EngineConfig
+    from rayrl.engine import cpu_env
+
+    # the CPU build: the settings of rayrl's CPU engines (its KV cache size, every core), unless set already
+    env = ({**cpu_env(EngineConfig().kv_cache_gb), **os.environ} if not torch.cuda.is_available()
+           else dict(os.environ))
     name = a.served_model_name or a.model
     shown = "127.0.0.1" if a.host in ("0.0.0.0", "") else a.host
     print(f"rayrl serve: {a.model} as {name!r} at http://{shown}:{a.port}/v1 (hermes tool calls)", flush=True)
