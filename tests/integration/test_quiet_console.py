@@ -134,8 +134,9 @@ def test_killed_learner_is_one_line_naming_its_log(tiny_model, tmp_path):
     reader.join(timeout=30)
     console = "".join(lines)
     assert rc == 1, console[-3000:]
-    # rayrl.recovery.LearnerLost: the rank, when, what a rerun resumes from, and the rank's log
-    failed = [ln for ln in console.splitlines() if ln.startswith("rayrl: learner/0 died during step ")]
+    # rayrl.recovery.LearnerLost: the rank, when (a step's update, or the offload or sync after it, wherever the kill
+    # lands), what a rerun resumes from, and the rank's log
+    failed = [ln for ln in console.splitlines() if ln.startswith("rayrl: learner/0 died during ")]
     assert len(failed) == 1 and failed[0].endswith(f"(log: {log})"), console[-3000:]
     assert log.is_file()
     assert not ray_noise(console), console[-3000:]
