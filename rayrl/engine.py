@@ -367,7 +367,6 @@ def _kill_children(older: set[int]) -> None:
             pass
 
 
-@functools.cache
 def cpu_env(kv_cache_gb: int) -> dict[str, str]:
     """vLLM's settings for a CPU engine (rayrl's engines and `rayrl serve`), as defaults a set variable overrides."""
     return {"VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gb),
@@ -377,6 +376,7 @@ def cpu_env(kv_cache_gb: int) -> dict[str, str]:
             "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
+@functools.cache
 def _flat_logprobs() -> dict:
     """SamplingParams(flat_logprobs=True) where this vLLM has it (0.11+), else nothing."""
     from vllm import SamplingParams
