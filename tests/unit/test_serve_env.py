@@ -4,12 +4,12 @@ import json
 import os
 
 import pytest
+import torch
 
 from rayrl import serve
 from rayrl.config import EngineConfig
 from rayrl.engine import cpu_env
 
-torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.unit,
               pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU build's settings; a GPU serve has none")]
 
