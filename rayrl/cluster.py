@@ -187,8 +187,11 @@ def engine_placement(cfg: Config, groups: dict, i: int) -> dict:
 def start_engines(cfg: Config, engines: list) -> list:
     """Each engine's start: all at once, except engines that may share a GPU, which start one after another. vLLM
     reads the GPU's free memory before and after its profiling run and fails if it grew meanwhile, as it does when a
-    neighbour finishes its own start (or goes to sleep)."""
+    neighbour finishes its own start (or goes to sleep); with a fixed KV cache (engine.gpu_kv_cache_gb) it does not
+    profile, and all start at once."""
     ge, last, starts = cfg.engine.gpus_per_engine, {}, []
+    if cfg.engine.gpu_kv_cache_gb > 0:
+        return [eng.start.remote(None) for eng in engines]
     for i, eng in enumerate(engines):
         # colocated: its GPU bundle; fractions of a GPU otherwise may be packed onto one GPU: all one after another
         gpu = engine_bundle(cfg, i) if colocated(cfg) or not 0 < ge < 1 else 0

@@ -88,6 +88,9 @@ class EngineConfig:
     max_model_len: int = 1024  # tokens (prompt + response) one sequence may reach in the engine
     kv_cache_gb: int = 4  # GiB of KV cache of a CPU vLLM engine (VLLM_CPU_KVCACHE_SPACE)
     gpu_memory_utilization: float = 0.5  # share of the GPU's memory vLLM takes (weights + KV cache); GPU engines only
+    # GiB of KV cache of a GPU engine, fixed (vLLM's kv_cache_memory_bytes): vLLM then skips its memory profiling, so
+    # engines that share a GPU start at once; 0 = what gpu_memory_utilization leaves, profiled, one after another
+    gpu_kv_cache_gb: float = 0.0
     enforce_eager: bool = True  # skip torch.compile / CUDA graphs: 40 s instead of 2-4 min to start on 2 cores
     max_num_seqs: int = 128  # sequences one vLLM engine runs in a batch at once
     request_timeout: float = 600.0  # seconds one generate call may take
@@ -554,6 +557,7 @@ def validate(cfg: Config, check_files: bool = True) -> None:
              "learner.max_tokens_per_micro_batch must be >= 0 (0 = count sequences), "
              f"got {lr.max_tokens_per_micro_batch}")
     _require(e.sleep_level in (0, 1, 2), f"engine.sleep_level must be 0, 1 or 2, got {e.sleep_level}")
+    _require(e.gpu_kv_cache_gb >= 0, f"engine.gpu_kv_cache_gb must be >= 0 (0 = profiled), got {e.gpu_kv_cache_gb}")
     _require(not e.keep_kv_on_sync or (e.backend == "vllm" and not e.sleep_level),
              f"engine.keep_kv_on_sync needs engine.backend=vllm and engine.sleep_level=0 (got {e.backend!r} and "
              f"{e.sleep_level}): only a vLLM engine that stays awake holds a KV cache across a weight update")

@@ -88,6 +88,9 @@ class Starting:
     (["engine.num_engines=4", "engine.gpus_per_engine=0.2", "learner.num_workers=2", "learner.gpus_per_worker=0.5"],
      [(0, 2), (1, 3)], [(0, 1), (2, 3)]),
     (["engine.num_engines=2", "engine.gpus_per_engine=1", "learner.gpus_per_worker=1"], [], [(0, 1)]),
+    # a fixed KV cache: vLLM does not profile, so engines on one GPU start at once too
+    (["engine.num_engines=4", "engine.gpus_per_engine=0.2", "learner.num_workers=2", "learner.gpus_per_worker=0.5",
+      "engine.gpu_kv_cache_gb=4"], [], [(0, 2), (1, 3), (0, 1)]),
 ])
 def test_engines_sharing_a_gpu_start_one_after_another(four_gpus, overrides, serial, parallel):
     cfg = load_config(None, overrides, check_files=False)
