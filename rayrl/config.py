@@ -558,6 +558,9 @@ def validate(cfg: Config, check_files: bool = True) -> None:
              f"got {lr.max_tokens_per_micro_batch}")
     _require(e.sleep_level in (0, 1, 2), f"engine.sleep_level must be 0, 1 or 2, got {e.sleep_level}")
     _require(e.gpu_kv_cache_gb >= 0, f"engine.gpu_kv_cache_gb must be >= 0 (0 = profiled), got {e.gpu_kv_cache_gb}")
+    _require(e.gpu_kv_cache_gb == 0 or (e.gpus_per_engine > 0 and e.backend == "vllm"),
+             f"engine.gpu_kv_cache_gb={e.gpu_kv_cache_gb} is for vLLM engines on a GPU (engine.gpus_per_engine > 0); "
+             "a CPU engine's KV cache is engine.kv_cache_gb")
     _require(not e.keep_kv_on_sync or (e.backend == "vllm" and not e.sleep_level),
              f"engine.keep_kv_on_sync needs engine.backend=vllm and engine.sleep_level=0 (got {e.backend!r} and "
              f"{e.sleep_level}): only a vLLM engine that stays awake holds a KV cache across a weight update")

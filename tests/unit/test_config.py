@@ -47,6 +47,8 @@ BAD = [
     ("float-not-number", None, ["learner.lr=fast"], ["learner.lr must be float", "'fast'"]),
     ("section-not-mapping", "trainer: 5\n", [], ["trainer must be a mapping", "5"]),
     ("negative-kv-cache", None, ["engine.gpu_kv_cache_gb=-1"], ["engine.gpu_kv_cache_gb must be >= 0", "-1"]),
+    ("gpu-kv-cache-on-cpu", None, ["engine.gpu_kv_cache_gb=3"],
+     ["engine.gpu_kv_cache_gb=3.0 is for vLLM engines on a GPU", "engine.kv_cache_gb"]),
     ("batch-not-divisible", None, ["trainer.batch_size=8", "learner.mini_batch_size=3"],
      ["trainer.batch_size (8)", "learner.mini_batch_size (3)"]),
     ("negative-mini-batch", None, ["learner.mini_batch_size=-4"], ["learner.mini_batch_size", "-4"]),
