@@ -248,7 +248,7 @@ class _VLLM:
                                worker_extension_cls="rayrl.weight_sync.worker.WorkerExtension",
                                **({"enable_sleep_mode": True} if cfg.sleep_level else {}),
                                **({"kv_cache_memory_bytes": int(cfg.gpu_kv_cache_gb * 2**30)}
-                                  if cfg.gpu_kv_cache_gb > 0 and cfg.gpus_per_engine > 0 else {}))
+                                  if cfg.gpu_kv_cache_gb else {}))  # (config: GPU engines only)
         # In a thread: the actor's event loop stays free while vLLM loads (tens of seconds), so a shutdown() that
         # arrives meanwhile (a stopped or failed start) runs now, not after it. AsyncLLM starts its output handler
         # on the first request's loop when built outside one.
