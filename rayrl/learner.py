@@ -406,7 +406,10 @@ class Learner:
 
     def _optimizer_step(self, moves: list) -> float:
         """Clip the accumulated gradients, step (skipped when their norm is not finite: they overflowed), free them.
-        Returns the global gradient norm before clipping; appends the optimizer state's moves (optimizer_offload)."""
+        Returns the global gradient norm before clipping; appends the optimizer state's moves (optimizer_offload).
+        A background save's copy of the parameters and the optimizer state ends first (the forward and backward
+        passes before ran beside it)."""
+        self._staged()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.learner.grad_clip)
         grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)
         if np.isfinite(grad_norm):
@@ -545,6 +548,7 @@ class Learner:
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
         self._resident()
+        self._staged()
         for sender in self._senders.values():  # the load may replace parameter storage
             sender.params_replaced()
         model_sd, optim_sd = get_state_dict(self.model, self.optim)
@@ -581,11 +585,12 @@ class Learner:
         return moved
 
     def _resident(self) -> list[offload.Moved]:
-        """Parameters back on the GPU if offload() moved them (their storage changes: the senders re-read it). Every
-        call that changes the parameters or the optimizer state starts here: a background save's copy ends first."""
-        self._staged()
+        """Parameters back on the GPU if offload() moved them (their storage changes: the senders re-read it; a
+        background save's copy ends first). Calls that only read them (forward passes, a weight sync) go on beside
+        that copy; what changes them waits for it (`_optimizer_step`, `load`)."""
         if not self.params_offloaded:
             return []
+        self._staged()
         moved = [offload.timed("params", self.device, offload.move_model, m) for m in (self.model, self.ref)
                  if m is not None]
         for sender in self._senders.values():

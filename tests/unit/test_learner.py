@@ -81,10 +81,11 @@ def test_checkpoint_round_trip(learner, tmp_path):
 
 @pytest.mark.parametrize("learner", [["trainer.async_save=true"]], indirect=True)
 def test_a_background_save_holds_the_state_it_was_called_with(learner, tmp_path):
-    """trainer.async_save: save() returns while a thread copies the state, and the next call waits for the copy, so
-    steps taken while the write runs do not reach the checkpoint; written() waits for the write, and a second save
-    waits for the first's. The copy is held back here until after save() returned, so that a step that did not wait
-    would change what it copies."""
+    """trainer.async_save: save() returns while a thread copies the state; calls that only read the weights (a
+    forward pass, a weight sync) go on beside the copy, and the next optimizer step waits for it, so steps taken while
+    the write runs do not reach the checkpoint; written() waits for the write, and a second save waits for the
+    first's. The copy is held back here until after save() returned, so that a step that did not wait would change
+    what it copies."""
     import os
     import threading
 
@@ -102,8 +103,10 @@ def test_a_background_save_holds_the_state_it_was_called_with(learner, tmp_path)
     learner.train_step(BATCH)
     learner.save(str(tmp_path / "a"), background=True)
     assert not learner._writing.staging_completion.done()  # save() did not wait for the copy
-    threading.Timer(0.5, release.set).start()
     saved = learner.compute_logprobs(BATCH)
+    packet = learner.send_weights("object_store", 1)
+    assert not learner._writing.staging_completion.done()  # nor did the reads
+    threading.Timer(0.5, release.set).start()
     learner.train_step(BATCH)  # while the write may still run
     learner.save(str(tmp_path / "b"), background=True)  # waits for a's write first
     learner.train_step(BATCH)
@@ -112,6 +115,7 @@ def test_a_background_save_holds_the_state_it_was_called_with(learner, tmp_path)
     learner.written()  # nothing to wait for
     learner.load(str(tmp_path / "a"))
     assert learner.compute_logprobs(BATCH) == saved
+    assert all(np.array_equal(v, packet.arrays[k]) for k, v in learner.send_weights("object_store", 2).arrays.items())
     learner.load(str(tmp_path / "b"))
     assert learner.compute_logprobs(BATCH) != saved
 
