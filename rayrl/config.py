@@ -502,6 +502,20 @@ def _check_rollout_correction(c: RolloutCorrectionConfig) -> None:
                  f"({c.rollout_rs_threshold})")
 
 
+def staleness_warning(cfg: Config) -> str | None:
+    """A warning line for an async run (algo.max_staleness > 0) without algo.rollout_correction: its loss then treats
+    episodes sampled by older weights as on-policy (one update per step: the PPO ratio is 1, its clip never binds;
+    nothing weighs a token by how far the policy moved since it was sampled). On an H100 host the 32-step ReTool job
+    at staleness 2 without a correction ended at validation accuracy 0.415 against 0.927-0.948 synchronous, its
+    engine-vs-learner KL rising from 0.0003 to 0.04 (BENCHMARKS.md, twenty-first session)."""
+    a = cfg.algo
+    if a.max_staleness == 0 or a.rollout_correction.enabled:
+        return None
+    return (f"rayrl: warning: algo.max_staleness={a.max_staleness} with algo.rollout_correction off: episodes up to "
+            f"{a.max_staleness} policy versions old train as if on-policy. verl and AReaL weigh such tokens: "
+            "algo.rollout_correction.rollout_is=token (truncated importance weights) or rollout_rs (rejection)")
+
+
 def validate(cfg: Config, check_files: bool = True) -> None:
     """Checks that need no cluster. Raises ConfigError naming the first bad field."""
     r, t, e, lr, a = cfg.rollout, cfg.trainer, cfg.engine, cfg.learner, cfg.algo

@@ -29,7 +29,7 @@ import ray
 
 from rayrl import checkpoint, cluster, colocate, logs, recovery, stop, trace
 from rayrl.batching import advantages, rollout_correction, shard, trainable_groups
-from rayrl.config import Config, check_cluster
+from rayrl.config import Config, check_cluster, staleness_warning
 from rayrl.data import DataIterator, load_rows
 from rayrl.metrics import (
     StepLogger,
@@ -59,8 +59,9 @@ def train(cfg: Config) -> dict:
     checkpoint.preflight(t.output_dir, n_params, cfg.model.dtype, t.export_hf)  # a save that cannot fit fails now
     cluster.connect(cfg)
     check_cluster(cfg, ray.cluster_resources())
-    if warning := colocate.host_memory_warning(cfg, shapes, ray.nodes()):
-        print(warning, file=sys.stderr)  # noqa: T201
+    for warning in (colocate.host_memory_warning(cfg, shapes, ray.nodes()), staleness_warning(cfg)):
+        if warning:
+            print(warning, file=sys.stderr)  # noqa: T201
     decode = _decoder(model_path) if val_rows and t.log_val_generations else None
     actors, log, summary, step = None, None, {}, 0
     writing: Checkpoint | None = None  # trainer.async_save: a checkpoint the learners still write

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from rayrl.config import Config, ConfigError, check_cluster, load_config
+from rayrl.config import Config, ConfigError, check_cluster, load_config, staleness_warning
 
 AGENTS_MODULE = "rayrl_test_agents"
 
@@ -148,6 +148,19 @@ def test_defaults_load(agent: str) -> None:
     want.rollout.agent = f"{AGENTS_MODULE}:agent"
     assert cfg == want
     assert cfg.to_dict()["trainer"]["logger"] == ["console"]
+
+
+@pytest.mark.parametrize(("overrides", "warned"), [
+    ([], False),                                                                         # synchronous
+    (["algo.max_staleness=2"], True),                                                    # stale, uncorrected
+    (["algo.max_staleness=1", "algo.rollout_correction.rollout_is=token"], False),       # truncated IS
+    (["algo.max_staleness=1", "algo.rollout_correction.rollout_rs=token_k1",
+      "algo.rollout_correction.rollout_rs_threshold=2.0"], False)])                      # rejection
+def test_async_without_a_rollout_correction_is_warned(agent: str, overrides: list[str], warned: bool) -> None:
+    line = staleness_warning(load_config(None, [agent, *overrides]))
+    assert (line is not None) == warned
+    if warned:
+        assert "algo.max_staleness=2" in line and "algo.rollout_correction.rollout_is=token" in line
 
 
 def test_default_agent_exists() -> None:
