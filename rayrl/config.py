@@ -161,10 +161,15 @@ class RolloutCorrectionConfig:
     rollout_rs: str | None = None
     rollout_rs_threshold: float | None = None  # the upper bound (a ratio for k1, a divergence for k2/k3)
     rollout_rs_threshold_lower: float | None = None  # k1 only: the lower ratio bound; null = 1 / upper (verl's)
+    # verl's bypass_mode: the engines' log-probs are PPO's old log-probs (two policies: behaviour = proximal), so the
+    # ratio is current / behaviour and its clip binds on stale tokens also with one update a step (where decoupled
+    # mode's ratio is 1); no proximal forward pass. Not with rollout_is or rollout_rs, which compare the proximal
+    # policy with the engines'
+    bypass_mode: bool = False
 
     @property
     def enabled(self) -> bool:
-        return self.rollout_is is not None or self.rollout_rs is not None
+        return self.rollout_is is not None or self.rollout_rs is not None or self.bypass_mode
 
 
 # verl's rollout_corr_helper.SUPPORTED_ROLLOUT_RS_OPTIONS (a unit test keeps them equal; config imports no verl)
@@ -493,6 +498,9 @@ def _check_rollout_correction(c: RolloutCorrectionConfig) -> None:
         _require(c.rollout_rs_threshold is not None and c.rollout_rs_threshold > 0,
                  f"{name}.rollout_rs_threshold must be > 0 with rollout_rs={c.rollout_rs}, "
                  f"got {c.rollout_rs_threshold}")
+    _require(not (c.bypass_mode and (c.rollout_is or c.rollout_rs)),
+             f"{name}.bypass_mode=true with rollout_is={c.rollout_is} / rollout_rs={c.rollout_rs}: bypass mode's PPO "
+             "ratio is already current / engine; set both to null")
     low = c.rollout_rs_threshold_lower
     if low is not None:
         _require(c.rollout_rs is not None and c.rollout_rs.endswith("k1"),
@@ -512,8 +520,9 @@ def staleness_warning(cfg: Config) -> str | None:
     if a.max_staleness == 0 or a.rollout_correction.enabled:
         return None
     return (f"rayrl: warning: algo.max_staleness={a.max_staleness} with algo.rollout_correction off: episodes up to "
-            f"{a.max_staleness} policy versions old train as if on-policy. verl and AReaL weigh such tokens: "
-            "algo.rollout_correction.rollout_is=token (truncated importance weights) or rollout_rs (rejection)")
+            f"{a.max_staleness} policy versions old train as if on-policy. verl and AReaL correct for them: "
+            "algo.rollout_correction.rollout_is=token (truncated importance weights), rollout_rs (rejection) or "
+            "bypass_mode=true (PPO's clip against the engines' log-probs)")
 
 
 def validate(cfg: Config, check_files: bool = True) -> None:

@@ -319,7 +319,9 @@ class Learner:
         stale): the proximal policy is the current one, so old = current.detach() and the ratio is exactly 1 — the
         recompute would be a second identical forward pass; those log-probs come back in StepStats.logprobs (the
         driver's engine-vs-learner mismatch metrics), and algo.rollout_correction.rollout_is's weights are computed
-        here from them. Otherwise `batch.is_weights` (set by the driver) weighs each token's loss.
+        here from them. Otherwise `batch.is_weights` (set by the driver) weighs each token's loss. With
+        algo.rollout_correction.bypass_mode the engines' log-probs (`batch.rollout_logprobs`) are the old ones, and
+        `old_logprobs` is None for every mini-batch.
         The entropy is computed every step (logged); it enters the loss as verl's bonus,
         - algo.entropy_coeff x entropy aggregated by loss_agg_mode, when the coefficient is not 0.
         """
@@ -341,9 +343,14 @@ class Learner:
             self._accumulate_locally(k < len(micro_batches) - 1)
             f0 = self._mark()
             lp, mask, adv, ent = self._logprobs(batch, idx, entropy=True)
-            old = lp.detach() if old_logprobs is None else self._padded([old_logprobs[i] for i in idx], lp.shape[1])
+            if old_logprobs is not None:
+                old = self._padded([old_logprobs[i] for i in idx], lp.shape[1])
+            elif corr.bypass_mode:  # PPO's ratio is current / engine: its clip binds on stale tokens
+                old = self._padded([batch.rollout_logprobs[i] for i in idx], lp.shape[1])
+            else:
+                old = lp.detach()
             if old_logprobs is None:
-                current.append((idx, old))
+                current.append((idx, lp.detach()))
             is_weights = None if batch.is_weights is None else self._padded([batch.is_weights[i] for i in idx],
                                                                             lp.shape[1])
             if old_logprobs is None and corr.rollout_is is not None:  # one update: proximal = current, so in the loss

@@ -247,7 +247,9 @@ def update(cfg: Config, learners: list, groups: list[list[Trajectory]]) -> dict[
     # train_step's own forward pass (old = current.detach(), ratio 1), also for stale episodes: a second forward
     # would only repeat it (verl's recompute_old_log_prob=False), and rollout_is's weights come from it in the loss.
     # Rejection (rollout_rs) changes the mini-batch's token counts before the loss, so it needs that forward first.
+    # algo.rollout_correction.bypass_mode: the engines' log-probs are the old ones (train_step reads them), no forward.
     one_update = len(minibatches) == 1 and cfg.learner.ppo_epochs == 1 and corr.rollout_rs is None
+    one_update = one_update or corr.bypass_mode
     t_old = time.perf_counter()
     with trace.span("learner/compute_logprobs"):
         olds = None if one_update else [
@@ -264,8 +266,8 @@ def update(cfg: Config, learners: list, groups: list[list[Trajectory]]) -> dict[
                 stats.append(ray.get([ln.train_step.remote(s, None if olds is None else olds[j][r])
                                       for r, (ln, s) in enumerate(zip(learners, sh, strict=True))], timeout=timeout))
                 trace.learner([e for st in stats[-1] for e in st.events], t0, time.time())  # a lane per rank
-    if olds is None:  # one update: train_step's log-probs were the old ones
-        mismatch = rollout_correction(shards, [[s.logprobs for s in stats[0]]], corr, sp)
+    if olds is None:  # train_step's log-probs of epoch 0 (mini-batch j's after j updates, in bypass mode)
+        mismatch = rollout_correction(shards, [[s.logprobs for s in st] for st in stats[: len(shards)]], corr, sp)
     last = stats[-1]
     learner_s = sum(max(s.seconds for s in st) for st in stats)  # the slowest rank of each optimizer step
     return {**mismatch, **old_s,

@@ -60,6 +60,8 @@ BAD = [
     ("gateways-for-a-fixed-url-service", None, ["gateway.num_gateways=2", "rollout.num_workers=2",
                                                 "rollout.agent=rayrl.agents.http_service:agent"],
      ["gateway.num_gateways=2", "fixed URL", "keep one Gateway"]),
+    ("bypass-with-is", None, ["algo.rollout_correction.bypass_mode=true", "algo.rollout_correction.rollout_is=token"],
+     ["algo.rollout_correction.bypass_mode=true", "rollout_is=token", "set both to null"]),
     ("too-long", None, ["data.max_prompt_length=900"],
      ["data.max_prompt_length (900)", "rollout.max_response_length (128)", "engine.max_model_len (1024)"]),
     ("missing-dataset", None, ["data.source=/nonexistent/train.parquet"],
@@ -155,7 +157,8 @@ def test_defaults_load(agent: str) -> None:
     (["algo.max_staleness=2"], True),                                                    # stale, uncorrected
     (["algo.max_staleness=1", "algo.rollout_correction.rollout_is=token"], False),       # truncated IS
     (["algo.max_staleness=1", "algo.rollout_correction.rollout_rs=token_k1",
-      "algo.rollout_correction.rollout_rs_threshold=2.0"], False)])                      # rejection
+      "algo.rollout_correction.rollout_rs_threshold=2.0"], False),                       # rejection
+    (["algo.max_staleness=1", "algo.rollout_correction.bypass_mode=true"], False)])      # PPO clip against the engine
 def test_async_without_a_rollout_correction_is_warned(agent: str, overrides: list[str], warned: bool) -> None:
     line = staleness_warning(load_config(None, [agent, *overrides]))
     assert (line is not None) == warned

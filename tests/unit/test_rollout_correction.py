@@ -197,3 +197,28 @@ def test_one_update_computes_the_is_weights_in_the_loss(tiny_model):
         assert stats.loss == pytest.approx(-0.625, abs=1e-5)
     finally:
         ln.shutdown()
+
+
+def test_bypass_mode_clips_against_the_engines_logprobs(tiny_model):
+    """bypass_mode (verl's): one update, no proximal forward, and PPO's ratio is current / engine, so its clip binds
+    on tokens the policy moved away from since the engine sampled them; the learner's own log-probs still come back
+    for the mismatch metrics."""
+    from rayrl.learner import Learner
+
+    ln = Learner(tiny_model, load_config(None, ["learner.lr=1e-2", "algo.rollout_correction.bypass_mode=true"],
+                                         check_files=False))
+    ln.setup()
+    try:
+        batch = _batch()
+        want = ln.compute_logprobs(batch)
+        # current / engine ratios 3, 1, 0.5 on the first row (advantage +1), 1 on the second's trained token (-1)
+        shift = [[math.log(3), 0.0, math.log(0.5)], [0.0, 0.0]]
+        batch.rollout_logprobs = [[lp - d for lp, d in zip(row, ds, strict=True)] for row, ds in zip(want, shift,
+                                                                                                     strict=True)]
+        stats = ln.train_step(batch)
+        # verl's PPO-clip per token, max(-A r, -A clip(r, 0.8, 1.28)): -1.28 (clipped), -1, -0.5, +1; token-mean
+        assert stats.loss == pytest.approx((-1.28 - 1.0 - 0.5 + 1.0) / 4, abs=1e-5)
+        assert stats.pg_clipfrac == pytest.approx(0.25, abs=1e-6)  # the ratio-3 token
+        assert stats.logprobs == [pytest.approx(r, abs=1e-5) for r in want]
+    finally:
+        ln.shutdown()
