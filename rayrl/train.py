@@ -249,10 +249,10 @@ def update(cfg: Config, learners: list, groups: list[list[Trajectory]]) -> dict[
     # Rejection (rollout_rs) changes the mini-batch's token counts before the loss, so it needs that forward first.
     # algo.rollout_correction.bypass_mode: the engines' log-probs are the old ones (train_step reads them), no forward.
     one_update = len(minibatches) == 1 and cfg.learner.ppo_epochs == 1 and corr.rollout_rs is None
-    one_update = one_update or corr.bypass_mode
+    no_forward = one_update or corr.bypass_mode
     t_old = time.perf_counter()
     with trace.span("learner/compute_logprobs"):
-        olds = None if one_update else [
+        olds = None if no_forward else [
             ray.get([ln.compute_logprobs.remote(s) for ln, s in zip(learners, sh, strict=True)], timeout=timeout)
             for sh in shards]
     # verl's timing_s/old_log_prob: a forward pass over the batch that one-update steps do not need
