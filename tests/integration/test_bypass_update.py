@@ -11,6 +11,8 @@ import ray
 from rayrl.config import load_config
 from tests.helpers import tiny_overrides
 
+pytestmark = pytest.mark.integration
+
 
 @pytest.mark.parametrize("bypass", [False, True])
 def test_two_minibatches_with_and_without_bypass(tiny_model, ray_cluster, bypass):
