@@ -134,13 +134,20 @@ def test_shards_get_weights_and_rejection_with_recounted_totals():
 
 
 @pytest.fixture
-def learner(tiny_model):
+def learner(tiny_model, request):
+    """A Learner at lr 1e-2, with the overrides a test passes by indirect parametrization."""
     from rayrl.learner import Learner
 
-    ln = Learner(tiny_model, load_config(None, ["learner.lr=1e-2"], check_files=False))
+    ln = Learner(tiny_model, load_config(None, ["learner.lr=1e-2", *getattr(request, "param", [])],
+                                         check_files=False))
     ln.setup()
     yield ln
     ln.shutdown()
+
+
+def _shifted(logprobs: list[list[float]], shift: list[list[float]]) -> list[list[float]]:
+    """Engine log-probs `shift` below the learner's, token by token (current / engine ratio exp(shift))."""
+    return [[lp - d for lp, d in zip(row, ds, strict=True)] for row, ds in zip(logprobs, shift, strict=True)]
 
 
 def _batch(**extra) -> TrainBatch:
@@ -173,52 +180,34 @@ def test_learner_applies_the_is_weights(learner):
     assert stats.loss == pytest.approx(-0.25, abs=1e-6)
 
 
-def test_one_update_computes_the_is_weights_in_the_loss(tiny_model):
+@pytest.mark.parametrize("learner", [["algo.rollout_correction.rollout_is=token"]], indirect=True)
+def test_one_update_computes_the_is_weights_in_the_loss(learner):
     """One update with rollout_is (no proximal forward: the driver passes no old log-probs): train_step weighs each
     token by min(current / engine, threshold) of its own forward pass, the weights the driver's path would set."""
-    from rayrl.learner import Learner
-
-    ln = Learner(tiny_model, load_config(None, ["learner.lr=1e-2", "algo.rollout_correction.rollout_is=token"],
-                                         check_files=False))
-    ln.setup()
-    try:
-        batch = _batch()
-        want = ln.compute_logprobs(batch)
-        # engine / learner ratios 1/3, 1, 2 on the first row (weights min(3, 2), 1, 0.5), 1 on the second's token
-        shift = [[math.log(3), 0.0, -math.log(2)], [0.0, 0.0]]
-        batch.rollout_logprobs = [[lp - d for lp, d in zip(row, ds, strict=True)] for row, ds in zip(want, shift,
-                                                                                                     strict=True)]
-        expected = _batch(rollout_logprobs=batch.rollout_logprobs)
-        correct_shards([[expected]], [[want]], RolloutCorrectionConfig(rollout_is="token"))
-        assert [w for row in expected.is_weights for w in row] == pytest.approx([2.0, 1.0, 0.5, 1.0, 0.0], abs=1e-5)
-        stats = ln.train_step(batch)
-        assert batch.is_weights is None  # nothing set by a driver
-        # token-mean of -A x w over the 4 trained tokens: -(2 + 1 + 0.5 - 1) / 4
-        assert stats.loss == pytest.approx(-0.625, abs=1e-5)
-    finally:
-        ln.shutdown()
+    batch = _batch()
+    want = learner.compute_logprobs(batch)
+    # engine / learner ratios 1/3, 1, 2 on the first row (weights min(3, 2), 1, 0.5), 1 on the second's token
+    batch.rollout_logprobs = _shifted(want, [[math.log(3), 0.0, -math.log(2)], [0.0, 0.0]])
+    expected = _batch(rollout_logprobs=batch.rollout_logprobs)
+    correct_shards([[expected]], [[want]], RolloutCorrectionConfig(rollout_is="token"))
+    assert [w for row in expected.is_weights for w in row] == pytest.approx([2.0, 1.0, 0.5, 1.0, 0.0], abs=1e-5)
+    stats = learner.train_step(batch)
+    assert batch.is_weights is None  # nothing set by a driver
+    # token-mean of -A x w over the 4 trained tokens: -(2 + 1 + 0.5 - 1) / 4
+    assert stats.loss == pytest.approx(-0.625, abs=1e-5)
 
 
-def test_bypass_mode_clips_against_the_engines_logprobs(tiny_model):
+@pytest.mark.parametrize("learner", [["algo.rollout_correction.bypass_mode=true"]], indirect=True)
+def test_bypass_mode_clips_against_the_engines_logprobs(learner):
     """bypass_mode (verl's): one update, no proximal forward, and PPO's ratio is current / engine, so its clip binds
     on tokens the policy moved away from since the engine sampled them; the learner's own log-probs still come back
     for the mismatch metrics."""
-    from rayrl.learner import Learner
-
-    ln = Learner(tiny_model, load_config(None, ["learner.lr=1e-2", "algo.rollout_correction.bypass_mode=true"],
-                                         check_files=False))
-    ln.setup()
-    try:
-        batch = _batch()
-        want = ln.compute_logprobs(batch)
-        # current / engine ratios 3, 1, 0.5 on the first row (advantage +1), 1 on the second's trained token (-1)
-        shift = [[math.log(3), 0.0, math.log(0.5)], [0.0, 0.0]]
-        batch.rollout_logprobs = [[lp - d for lp, d in zip(row, ds, strict=True)] for row, ds in zip(want, shift,
-                                                                                                     strict=True)]
-        stats = ln.train_step(batch)
-        # verl's PPO-clip per token, max(-A r, -A clip(r, 0.8, 1.28)): -1.28 (clipped), -1, -0.5, +1; token-mean
-        assert stats.loss == pytest.approx((-1.28 - 1.0 - 0.5 + 1.0) / 4, abs=1e-5)
-        assert stats.pg_clipfrac == pytest.approx(0.25, abs=1e-6)  # the ratio-3 token
-        assert stats.logprobs == [pytest.approx(r, abs=1e-5) for r in want]
-    finally:
-        ln.shutdown()
+    batch = _batch()
+    want = learner.compute_logprobs(batch)
+    # current / engine ratios 3, 1, 0.5 on the first row (advantage +1), 1 on the second's trained token (-1)
+    batch.rollout_logprobs = _shifted(want, [[math.log(3), 0.0, math.log(0.5)], [0.0, 0.0]])
+    stats = learner.train_step(batch)
+    # verl's PPO-clip per token, max(-A r, -A clip(r, 0.8, 1.28)): -1.28 (clipped), -1, -0.5, +1; token-mean
+    assert stats.loss == pytest.approx((-1.28 - 1.0 - 0.5 + 1.0) / 4, abs=1e-5)
+    assert stats.pg_clipfrac == pytest.approx(0.25, abs=1e-6)  # the ratio-3 token
+    assert stats.logprobs == [pytest.approx(r, abs=1e-5) for r in want]
