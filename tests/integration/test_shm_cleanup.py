@@ -116,3 +116,28 @@ def test_engine_shut_down_while_vllm_starts_leaves_no_engine_core(tiny_model):
     assert not isinstance(ended, asyncio.TimeoutError), "the start went on after shutdown()"
     left = [p for p in spawned if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert not left, [" ".join(p.cmdline()) for p in left]
+
+
+def test_engine_shut_down_leaves_no_asyncllm_for_the_exit(tiny_model):
+    """After shutdown() no vLLM AsyncLLM is left, not even as uncollected garbage (it sits in reference cycles), in
+    the process that held the Engine: one left for the interpreter's exit ran its __del__ on torn-down modules, a
+    TypeError and once a segfault of the CI's pytest after every test had passed."""
+    import asyncio
+    import gc
+
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from rayrl.config import EngineConfig
+    from rayrl.engine import Engine, Sampling
+
+    async def go():
+        engine = Engine(tiny_model, EngineConfig(max_model_len=256))
+        await engine.start()
+        try:
+            return await engine.generate([1, 2, 3], Sampling(max_tokens=4))
+        finally:
+            await engine.shutdown()
+
+    assert len(asyncio.run(go()).token_ids) >= 1
+    alive = [o for o in gc.get_objects() if isinstance(o, AsyncLLM)]  # no gc.collect() here: the exit runs none
+    assert not alive, f"{len(alive)} AsyncLLM left after shutdown()"
