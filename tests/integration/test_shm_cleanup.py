@@ -1,5 +1,6 @@
-"""An engine's /dev/shm scratch dir (weight_sync.shm) inside a Ray actor: SIGTERM of the actor's process removes it;
-ray.kill (no code runs) leaves it, and the next engine process on the node removes it."""
+"""What an engine leaves behind. Its /dev/shm scratch dir (weight_sync.shm) inside a Ray actor: SIGTERM of the
+actor's process removes it; ray.kill (no code runs) leaves it, and the next engine process on the node removes it.
+Its shutdown, after a failed start, during the start or after a run: no engine core process and no AsyncLLM left."""
 
 from __future__ import annotations
 
@@ -139,5 +140,6 @@ def test_engine_shut_down_leaves_no_asyncllm_for_the_exit(tiny_model):
             await engine.shutdown()
 
     assert len(asyncio.run(go()).token_ids) >= 1
-    alive = [o for o in gc.get_objects() if isinstance(o, AsyncLLM)]  # no gc.collect() here: the exit runs none
+    # no gc.collect() here: the exit's own collection comes after the modules are cleared
+    alive = [o for o in gc.get_objects() if isinstance(o, AsyncLLM)]
     assert not alive, f"{len(alive)} AsyncLLM left after shutdown()"
